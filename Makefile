@@ -1,0 +1,38 @@
+# kvrelay — the two quick-start commands are `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL ?= qwen2.5-coder-0.5b
+OUT ?= out/demo
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test lint setup clean bench-relay
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# Re-install when the project metadata changes.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/kvrelay models pull $(MODEL)
+	$(BIN)/kvrelay relay --model $(MODEL) --context docs/demo/context.md \
+		--question "Which function in the report has the bug, and what is the fix? Answer in one sentence." \
+		--json $(OUT)/relay.json
+	$(BIN)/kvrelay bench relay --model $(MODEL) --context-tokens 512,2048 --repeats 3 --json $(OUT)/bench_relay.json
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+test: setup lint
+	$(BIN)/python -m pytest -q -ra
+
+bench-relay: setup
+	$(BIN)/kvrelay bench relay --model $(MODEL) --context-tokens 512,2048 --repeats 5 --json docs/bench/relay_$(MODEL).json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

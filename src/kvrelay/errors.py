@@ -1,0 +1,47 @@
+"""Typed errors. Every failure a user can cause has its own class and a message saying what was expected."""
+
+from __future__ import annotations
+
+
+class KVRelayError(Exception):
+    """Base class of every kvrelay error."""
+
+
+class FetchError(KVRelayError):
+    """A model or data package could not be fetched from the registry."""
+
+
+class ChecksumMismatch(KVRelayError):
+    """A downloaded artefact does not have the sha256 it is pinned to; it is not used."""
+
+
+class UnknownModel(KVRelayError):
+    """A model name is neither in the zoo, nor a local folder, nor a loadable transformers id."""
+
+
+class PayloadError(KVRelayError):
+    """Base class for errors about a relayed KV payload."""
+
+
+class CorruptPayload(PayloadError):
+    """The bytes are truncated, edited, foreign, or violate the format's limits."""
+
+
+class IncompatiblePayload(PayloadError):
+    """The payload was produced under a different model/tokenizer/format; ``field`` names what differs."""
+
+    def __init__(self, field: str, expected: object, got: object, detail: str = ""):
+        self.field, self.expected, self.got = field, expected, got
+        msg = f"incompatible payload: {field} differs (receiver expects {expected!r}, payload has {got!r})"
+        super().__init__(msg + (f"; {detail}" if detail else ""))
+
+
+class StalePayload(PayloadError):
+    """The payload is from an older round than what the receiver already holds."""
+
+    def __init__(self, payload_round: int, held_round: int, producer: str):
+        self.payload_round, self.held_round, self.producer = payload_round, held_round, producer
+        super().__init__(
+            f"stale payload from {producer!r}: round {payload_round} is older than round {held_round} "
+            "the receiver already holds"
+        )

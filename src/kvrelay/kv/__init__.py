@@ -1,0 +1,1 @@
+"""KVPayload, its pure transforms, and the kvrelay/1 wire format."""

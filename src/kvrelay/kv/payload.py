@@ -1,0 +1,186 @@
+"""``KVPayload``: one relayed context, exactly as the producer's attention cached it.
+
+Tensor layout (stated once, repeated at each reshape in this package):
+
+    keys[l], values[l]   (B, H_kv, T_l, D)   post-RoPE K/V of held layer l
+    token_ids            (B, T)              int64, the tokens the cache encodes
+    positions            (B, T)              int64, absolute RoPE positions of those tokens
+    mask                 (B, T)              bool, True = real token, False = left padding
+
+``T_l == T`` on full-attention layers. Sliding-window layers keep only the tail of the sequence
+(transformers keeps ``window - 1`` tokens there), so ``T_l = min(T, window - 1)`` and layer ``l``
+covers the slots ``T - T_l .. T - 1``; every transform in ``kv.transforms`` respects that.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from kvrelay.models.identity import ModelIdentity, RopeSpec
+
+FORMAT = "kvrelay/1"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported payload dtype {dtype}; expected one of {sorted(DTYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadMeta:
+    """Everything a receiver needs to prove a payload compatible and use it position-exactly."""
+
+    model_fingerprint: str
+    tokenizer_hash: str
+    arch: str
+    num_model_layers: int
+    layer_indices: tuple[int, ...]  # which model layers are held, in order
+    layer_types: tuple[str, ...]  # per held layer
+    sliding_window: int | None
+    rope: tuple[RopeSpec, ...]  # one per distinct layer type
+    dtype: str = "float32"
+    codec: str = "raw"
+    producer: str = ""
+    round: int = 0
+    created_at: float = field(default_factory=time.time)
+    format: str = FORMAT
+
+    def __post_init__(self):
+        if len(self.layer_indices) != len(self.layer_types):
+            raise ValueError(
+                f"layer_indices ({len(self.layer_indices)}) and layer_types ({len(self.layer_types)}) differ in length"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if any(not 0 <= i < self.num_model_layers for i in self.layer_indices):
+            raise ValueError(f"layer_indices {self.layer_indices} out of range for {self.num_model_layers} layers")
+
+    @classmethod
+    def from_identity(cls, ident: ModelIdentity, **kw) -> PayloadMeta:
+        return cls(
+            model_fingerprint=ident.fingerprint,
+            tokenizer_hash=ident.tokenizer_hash,
+            arch=ident.arch,
+            num_model_layers=ident.num_layers,
+            layer_indices=tuple(range(ident.num_layers)),
+            layer_types=ident.layer_types,
+            sliding_window=ident.sliding_window,
+            rope=ident.rope,
+            **kw,
+        )
+
+    @property
+    def complete(self) -> bool:
+        """True when every model layer is held (a receiver can use it directly)."""
+        return self.layer_indices == tuple(range(self.num_model_layers))
+
+    def rope_for(self, layer_type: str) -> RopeSpec:
+        for spec in self.rope:
+            if spec.layer_type == layer_type:
+                return spec
+        raise KeyError(f"no rope parameters for layer type {layer_type!r}")
+
+    def to_strings(self) -> dict[str, str]:
+        """Flat ``str -> str`` form (safetensors ``__metadata__``)."""
+        d = asdict(self)
+        return {k: v if isinstance(v, str) else json.dumps(v) for k, v in d.items()}
+
+    @classmethod
+    def from_strings(cls, d: dict[str, str]) -> PayloadMeta:
+        names = {f for f in cls.__dataclass_fields__}
+        missing = names - set(d)
+        if missing:
+            raise KeyError(f"metadata lacks {sorted(missing)}")
+        raw = {k: (d[k] if k in ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format")
+                   else json.loads(d[k])) for k in names}
+        raw["layer_indices"] = tuple(raw["layer_indices"])
+        raw["layer_types"] = tuple(raw["layer_types"])
+        raw["rope"] = tuple(RopeSpec(r["layer_type"], tuple(r["inv_freq"]), r["attention_scaling"]) for r in raw["rope"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPayload:
+    keys: tuple[torch.Tensor, ...]  # per held layer (B, H_kv, T_l, D)
+    values: tuple[torch.Tensor, ...]  # per held layer (B, H_kv, T_l, D)
+    token_ids: torch.Tensor  # (B, T) int64
+    positions: torch.Tensor  # (B, T) int64
+    mask: torch.Tensor  # (B, T) bool
+    meta: PayloadMeta
+
+    def __post_init__(self):
+        m = self.meta
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} key layers but {len(self.values)} value layers")
+        if len(self.keys) != len(m.layer_indices):
+            raise ValueError(f"{len(self.keys)} layers of tensors but meta lists {len(m.layer_indices)} layers")
+        if self.token_ids.ndim != 2:
+            raise ValueError(f"token_ids must be (B, T), got shape {tuple(self.token_ids.shape)}")
+        B, T = self.token_ids.shape
+        for name, t, dt in (("positions", self.positions, torch.int64), ("mask", self.mask, torch.bool),
+                            ("token_ids", self.token_ids, torch.int64)):
+            if tuple(t.shape) != (B, T):
+                raise ValueError(f"{name} must be (B, T) = {(B, T)}, got {tuple(t.shape)}")
+            if t.dtype != dt:
+                raise ValueError(f"{name} must be {dt}, got {t.dtype}")
+        want = DTYPES[m.dtype]
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            if k.ndim != 4 or k.shape != v.shape:
+                raise ValueError(f"layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} must be equal (B, H, T, D)")
+            if k.dtype != want or v.dtype != want:
+                raise ValueError(f"layer {i}: tensors are {k.dtype}/{v.dtype}, meta declares {m.dtype}")
+            if k.shape[0] != B:
+                raise ValueError(f"layer {i}: batch {k.shape[0]} != token_ids batch {B}")
+            if k.shape[2] != self.held_tokens(i):
+                raise ValueError(
+                    f"layer {i} ({m.layer_types[i]}): holds {k.shape[2]} tokens, expected {self.held_tokens(i)} of T={T}"
+                )
+        if T > 1:
+            valid_pairs = self.mask[:, 1:] & self.mask[:, :-1]
+            steps = self.positions[:, 1:] - self.positions[:, :-1]
+            if bool((steps[valid_pairs] <= 0).any()):
+                raise ValueError("positions must be strictly increasing on valid (mask=True) slots")
+        if bool((self.mask[:, 1:].int() < self.mask[:, :-1].int()).any()):
+            raise ValueError("mask must be left-padded: a padding slot (False) after a real token (True)")
+
+    # -- derived facts -------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Slots T (including left padding)."""
+        return self.token_ids.shape[1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Real tokens per row, (B,)."""
+        return self.mask.sum(dim=1)
+
+    @property
+    def next_positions(self) -> torch.Tensor:
+        """The position the next token of each row takes under the *continue* layout, (B,)."""
+        last = torch.where(self.mask, self.positions, torch.full_like(self.positions, -1)).max(dim=1).values
+        return last + 1
+
+    def held_tokens(self, layer: int) -> int:
+        T = self.num_tokens
+        if self.meta.layer_types[layer] == "sliding_attention" and self.meta.sliding_window:
+            return min(T, self.meta.sliding_window - 1)
+        return T
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, self.token_ids, self.positions, self.mask)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def with_meta(self, **changes) -> KVPayload:
+        return replace(self, meta=replace(self.meta, **changes))

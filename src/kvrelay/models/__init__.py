@@ -1,0 +1,1 @@
+"""Model zoo, loader and identity."""
