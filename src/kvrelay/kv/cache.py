@@ -1,0 +1,45 @@
+"""Lossless conversion between ``KVPayload`` and transformers' ``DynamicCache``.
+
+``DynamicCache(config=...)`` gives sliding-window layers their own class, which keeps the last
+``window - 1`` tokens and counts every token it has seen (``cumulative_length``) to size masks.
+A payload's sliding layers hold exactly that tail, so the conversion is a copy of tensors plus
+that count — no model internals are touched, only the cache object's documented state.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from kvrelay.kv.payload import KVPayload, PayloadMeta
+
+
+def to_cache(p: KVPayload, config) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding a copy of ``p`` (generation mutates caches in place)."""
+    if not p.meta.complete:
+        raise ValueError(
+            f"payload holds layers {list(p.meta.layer_indices)} of {p.meta.num_model_layers}; "
+            "a receiver needs every layer (recompute or fill the missing ones first)"
+        )
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != len(p.keys):
+        raise ValueError(f"model cache has {len(cache.layers)} layers, payload has {len(p.keys)}")
+    T = p.num_tokens
+    for i, (layer, k, v) in enumerate(zip(cache.layers, p.keys, p.values, strict=True)):
+        sliding = bool(getattr(layer, "is_sliding", False))
+        if sliding != (p.meta.layer_types[i] == "sliding_attention"):
+            raise ValueError(f"layer {i}: payload says {p.meta.layer_types[i]}, model cache is_sliding={sliding}")
+        layer.lazy_initialization(k, v)
+        layer.keys = k.clone()  # (B, H, T_l, D)
+        layer.values = v.clone()
+        if sliding:
+            layer.cumulative_length = T
+    return cache
+
+
+def from_cache(cache: DynamicCache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+               meta: PayloadMeta) -> KVPayload:
+    """Snapshot a cache (after a prefill of ``token_ids``) as a payload; tensors are copied."""
+    keys = tuple(layer.keys.detach().clone() for layer in cache.layers)  # (B, H, T_l, D)
+    values = tuple(layer.values.detach().clone() for layer in cache.layers)
+    return KVPayload(keys, values, token_ids, positions, mask, meta)

@@ -1,0 +1,266 @@
+"""``Agent``: a model plus a role, that reads text into a payload and responds with or without one.
+
+Two position layouts for a relayed payload (DESIGN §2, seed 000 §2.2):
+
+* ``continue`` — the receiver's tokens follow the relayed ones at the next positions (one
+  global position counter across agents). Exact: the receiver computes what it would have
+  computed by prefilling the relayed tokens itself.
+* ``replace`` — the receiver keeps its own prefix (its role prompt at positions 0..S-1) and the
+  payload is moved behind it by RoPE re-rotation. Positions are exact; content is not, because
+  the relayed K/V never attended to the receiver's prefix. Its quality cost is measured, not assumed.
+
+A receiver never uses a payload it cannot prove compatible (same model fingerprint, tokenizer,
+format, every layer held) or one older than what it already holds from that producer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.errors import IncompatiblePayload, StalePayload
+from kvrelay.kv.cache import from_cache, to_cache
+from kvrelay.kv.payload import FORMAT, KVPayload, PayloadMeta
+from kvrelay.kv.transforms import concat, pad_batch, shift_positions
+from kvrelay.relay.generate import forward_last, generate
+from kvrelay.relay.prompt import PromptFormat, format_for
+
+LAYOUTS = ("continue", "replace")
+Context = KVPayload | str | Sequence[int] | torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    text: str
+    token_ids: tuple[int, ...]  # generated, stop token excluded
+    prefill_tokens: int  # tokens this agent prefilled (context re-encode + its own prompt)
+    relayed_tokens: int  # tokens that arrived as a cache (0 for text)
+    ttft_s: float  # cache build + prefill (the first token is the argmax of the prefill's logits)
+    cache_build_s: float
+    prefill_s: float
+    decode_s: float
+    layout: str
+    payload: KVPayload | None = field(default=None, repr=False)  # state after answering, when asked for
+
+    @property
+    def total_s(self) -> float:
+        return self.ttft_s + self.decode_s
+
+
+class Agent:
+    """One role on one loaded model. State: a round counter and the rounds it holds per producer."""
+
+    def __init__(self, lm, name: str = "agent", role: str = "", *, max_new_tokens: int = 64,
+                 fmt: PromptFormat | None = None):
+        self.lm = lm
+        self.model = lm.model
+        self.tokenizer = lm.tokenizer
+        self.identity = lm.identity
+        self.name = name
+        self.role = role
+        self.max_new_tokens = max_new_tokens
+        self.fmt = fmt or format_for(self.tokenizer)
+        self.round = 0
+        self._held: dict[str, int] = {}
+        self.stop_ids = self._stop_ids()
+
+    # -- tokens ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _stop_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        vocab = self.tokenizer.get_vocab()
+        ids |= {vocab[s] for s in self.fmt.stop_strings if s in vocab}
+        if self.fmt.name == "plain":
+            ids |= {i for i in self.encode("\n\n")[-1:]}
+        return ids
+
+    def reading_ids(self, text: str) -> list[int]:
+        """Tokens of this agent reading ``text``: its role as system prompt, then the text as a user turn."""
+        return self.encode(self.fmt.system(self.role)) + self.encode(self.fmt.user(text))
+
+    def prompt_ids(self, prompt: str, *, with_role: bool = True) -> list[int]:
+        """Tokens this agent appends to answer ``prompt`` (role folded into the turn in the continue layout)."""
+        body = f"{self.role}\n\n{prompt}" if (with_role and self.role) else prompt
+        return self.encode(self.fmt.user(body)) + self.encode(self.fmt.assistant_start)
+
+    # -- producing payloads ------------------------------------------------------------------
+    def meta(self) -> PayloadMeta:
+        return PayloadMeta.from_identity(self.identity, producer=self.name, round=self.round)
+
+    def prefill(self, ids: Sequence[int] | torch.Tensor, *, start: int = 0) -> KVPayload:
+        """Encode ``ids`` at positions ``start..`` into a payload (one forward, no generation)."""
+        ids_t = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.int64)
+        ids_t = ids_t.reshape(1, -1)  # (1, T)
+        if ids_t.shape[1] == 0:
+            raise ValueError("nothing to prefill: empty token sequence")
+        pos = torch.arange(start, start + ids_t.shape[1], dtype=torch.int64)[None]  # (1, T)
+        cache = self._empty_cache()
+        forward_last(self.model, ids_t, pos, cache, None)
+        return from_cache(cache, ids_t, pos, torch.ones_like(ids_t, dtype=torch.bool), self.meta())
+
+    def read(self, text: str, *, start: int = 0) -> KVPayload:
+        """Read ``text`` (with this agent's role as system prompt) and return the cache as a payload."""
+        return self.prefill(self.reading_ids(text), start=start)
+
+    def _empty_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    # -- receiving ---------------------------------------------------------------------------
+    def check(self, p: KVPayload) -> None:
+        """Raise unless ``p`` is provably usable here; record its round for staleness checks."""
+        m, ident = p.meta, self.identity
+        for fieldname, mine, theirs in (("format", FORMAT, m.format),
+                                        ("model_fingerprint", ident.fingerprint, m.model_fingerprint),
+                                        ("tokenizer_hash", ident.tokenizer_hash, m.tokenizer_hash),
+                                        ("layer_types", ident.layer_types, tuple(m.layer_types)),
+                                        ("sliding_window", ident.sliding_window, m.sliding_window)):
+            if mine != theirs:
+                raise IncompatiblePayload(fieldname, mine, theirs)
+        if not m.complete:
+            raise IncompatiblePayload("layer_indices", tuple(range(ident.num_layers)), m.layer_indices,
+                                      "a receiver needs every layer")
+        if m.codec != "raw":
+            raise IncompatiblePayload("codec", "raw", m.codec, "decode the payload with its codec first")
+        if p.keys[0].shape[1] != ident.num_kv_heads or p.keys[0].shape[3] != ident.head_dim:
+            raise IncompatiblePayload("kv_shape", (ident.num_kv_heads, ident.head_dim),
+                                      (p.keys[0].shape[1], p.keys[0].shape[3]))
+        held = self._held.get(m.producer)
+        if held is not None and m.round < held:
+            raise StalePayload(m.round, held, m.producer)
+        self._held[m.producer] = max(held or 0, m.round)
+
+    def _prefix_payload(self) -> KVPayload | None:
+        ids = self.encode(self.fmt.system(self.role))
+        return self.prefill(ids) if ids else None
+
+    def respond(self, prompt: str, context: Context = None, *, layout: str = "continue",
+                max_new_tokens: int | None = None, return_payload: bool = False) -> Response:
+        """Answer ``prompt`` greedily, given a relayed payload, a text context, raw token ids, or nothing.
+
+        * ``KVPayload``: relayed cache (checked, then used in ``layout``).
+        * ``str``: a document re-encoded as a user turn before the prompt (the text channel).
+        * token ids: re-encoded verbatim — with a payload's ``token_ids`` this is the exact text baseline.
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        t0 = time.perf_counter()
+        relayed = 0
+        if isinstance(context, KVPayload):
+            self.check(context)
+            if context.batch_size != 1:
+                raise ValueError("respond takes one payload; use respond_batch for a batch")
+            if layout == "replace":
+                prefix = self._prefix_payload()
+                start = prefix.num_tokens if prefix is not None else 0
+                moved = shift_positions(context, start - int(context.positions[0, 0]))
+                context = concat(prefix, moved) if prefix is not None else moved
+                ids = self.prompt_ids(prompt, with_role=False)
+            else:
+                ids = self.prompt_ids(prompt)
+            cache = to_cache(context, self.model.config)
+            relayed = context.num_tokens - (start if layout == "replace" else 0)
+            start_pos = int(context.next_positions[0])
+            history_ids, history_pos = context.token_ids, context.positions
+        else:
+            if context is None:
+                pre = []
+            elif isinstance(context, str):
+                pre = self.encode(self.fmt.user(context))
+            else:
+                pre = [int(t) for t in (context.reshape(-1).tolist() if isinstance(context, torch.Tensor) else context)]
+            if layout == "replace":
+                ids = self.encode(self.fmt.system(self.role)) + pre + self.prompt_ids(prompt, with_role=False)
+            else:
+                ids = pre + self.prompt_ids(prompt)
+            cache = self._empty_cache()
+            start_pos = 0
+            history_ids = history_pos = None
+        build_s = time.perf_counter() - t0
+        ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
+        pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
+        out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
+                       pad_id=self.tokenizer.pad_token_id or 0)
+        n = int(out.lengths[0])
+        gen = out.tokens[0, :n].tolist()
+        payload = None
+        if return_payload:
+            payload = self._finish_turn(cache, out, ids_t, pos_t, history_ids, history_pos)
+        self.round += 1
+        return Response(self.decode(gen), tuple(gen), len(ids), relayed, build_s + out.prefill_s, build_s,
+                        out.prefill_s, out.decode_s, layout, payload)
+
+    def _finish_turn(self, cache, out, ids_t, pos_t, history_ids, history_pos) -> KVPayload:
+        """Feed the last generated token and the end-of-turn marker so the cache holds the whole turn."""
+        n = int(out.lengths[0])
+        gen = out.tokens[0, : out.tokens.shape[1]].tolist()
+        fed = gen[:-1]  # every generated token but the last went through the model already
+        tail = gen[-1:] if n == len(gen) else []  # last token if it was not a stop token
+        tail += self.encode(self.fmt.assistant_end)
+        start = int(pos_t[0, -1]) + 1 + len(fed)
+        tail_t = torch.tensor([tail], dtype=torch.int64)
+        tail_pos = torch.arange(start, start + len(tail), dtype=torch.int64)[None]
+        forward_last(self.model, tail_t, tail_pos, cache, None)
+        new_ids = torch.cat((ids_t, torch.tensor([fed], dtype=torch.int64).reshape(1, -1), tail_t), dim=1)
+        new_pos = torch.cat((pos_t, torch.arange(int(pos_t[0, -1]) + 1, start, dtype=torch.int64)[None], tail_pos), 1)
+        if history_ids is not None:
+            new_ids = torch.cat((history_ids, new_ids), 1)
+            new_pos = torch.cat((history_pos, new_pos), 1)
+        return from_cache(cache, new_ids, new_pos, torch.ones_like(new_ids, dtype=torch.bool),
+                          PayloadMeta.from_identity(self.identity, producer=self.name, round=self.round))
+
+    def respond_batch(self, prompts: Sequence[str], contexts: Sequence[KVPayload], *,
+                      max_new_tokens: int | None = None) -> list[Response]:
+        """Answer several prompts, each after its own payload (continue layout), in one padded batch.
+
+        Payloads are left-padded to a common length and prompts of different lengths are padded
+        where they start; an explicit (B, cached + new) attention mask hides every pad slot.
+        """
+        if len(prompts) != len(contexts) or not prompts:
+            raise ValueError(f"need as many prompts as payloads (got {len(prompts)} and {len(contexts)})")
+        for c in contexts:
+            self.check(c)
+        ids = [self.prompt_ids(p) for p in prompts]
+        if self.identity.sliding_window and len({len(i) for i in ids}) > 1:
+            # A sliding-window cache keeps the last window-1 *slots*; padding between a payload and a
+            # shorter prompt would take window room from real tokens. Batch equal-length prompts only.
+            groups: dict[int, list[int]] = {}
+            for b, i in enumerate(ids):
+                groups.setdefault(len(i), []).append(b)
+            out: list[Response | None] = [None] * len(prompts)
+            for members in groups.values():
+                part = self.respond_batch([prompts[b] for b in members], [contexts[b] for b in members],
+                                          max_new_tokens=max_new_tokens)
+                for b, r in zip(members, part, strict=True):
+                    out[b] = r
+            return out  # type: ignore[return-value]
+        n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        t0 = time.perf_counter()
+        batch = pad_batch(contexts)
+        cache = to_cache(batch, self.model.config)
+        build_s = time.perf_counter() - t0
+        q = max(len(i) for i in ids)
+        pad = self.tokenizer.pad_token_id or 0
+        ids_t = torch.tensor([[pad] * (q - len(i)) + i for i in ids], dtype=torch.int64)  # (B, q)
+        real = torch.tensor([[False] * (q - len(i)) + [True] * len(i) for i in ids])  # (B, q)
+        offs = torch.cumsum(real.long(), dim=1) - 1  # (B, q): index among real prompt tokens
+        pos_t = (batch.next_positions[:, None] + offs.clamp_min(0)).to(torch.int64)  # (B, q)
+        mask = torch.cat((batch.mask, real), dim=1)  # (B, T + q)
+        out = generate(self.model, cache, ids_t, pos_t, mask, n_new, self.stop_ids, pad_id=pad)
+        self.round += 1
+        res = []
+        for b in range(len(prompts)):
+            gen = out.tokens[b, : int(out.lengths[b])].tolist()
+            res.append(Response(self.decode(gen), tuple(gen), len(ids[b]), int(contexts[b].num_tokens),
+                                build_s + out.prefill_s, build_s, out.prefill_s, out.decode_s, "continue"))
+        return res
