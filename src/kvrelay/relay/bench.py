@@ -1,0 +1,117 @@
+"""``kvrelay bench relay``: receiver time-to-first-token with a relayed cache vs re-encoding the context.
+
+For each context size, in one process and interleaved (text, kv, kv, text, ...), medians over
+repeats:
+
+* ``text_ttft_s``  — the receiver prefills the sender's tokens plus its own prompt.
+* ``kv_ttft_s``    — the receiver builds a cache from the payload (copy) and prefills its prompt.
+* ``ideal_ttft_speedup`` — text time over the receiver's own prompt prefill with the relayed
+  context already in place: what is left if the relay (encode, transfer, cache build) cost nothing.
+* ``encode_s``/``decode_s`` — the payload through the ``kvrelay/1`` wire format, in memory.
+* ``outputs_identical`` — the greedy answers of both modes are the same tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvrelay.corpus import prose
+from kvrelay.relay.agent import Agent
+
+QUESTION = "In one sentence, what is the main topic of the text above?"
+
+
+@dataclass(frozen=True, slots=True)
+class RelayRow:
+    context_tokens: int
+    text_ttft_s: float
+    kv_ttft_s: float
+    ttft_speedup: float
+    ideal_ttft_speedup: float
+    receiver_prefill_s: float  # the kv receiver's own prompt prefill (cache already built)
+    cache_build_s: float
+    payload_bytes: int
+    encode_s: float
+    decode_s: float
+    outputs_identical: bool
+    text_answer: str
+    kv_answer: str
+    repeats: int
+
+
+def context_ids(agent: Agent, n_tokens: int, offset: int = 0) -> list[int]:
+    """Exactly ``n_tokens`` token ids: the sender's role/user wrapper around real prose cut to fit."""
+    wrapper = len(agent.reading_ids(""))
+    body = agent.encode(prose(offset))
+    while len(body) < n_tokens:
+        body = body + body
+    text = agent.decode(body[: max(n_tokens - wrapper, 1)])
+    ids = agent.reading_ids(text)
+    return ids[:n_tokens] if len(ids) >= n_tokens else ids
+
+
+def _wire_roundtrip(payload):
+    from kvrelay.kv import wire
+
+    t0 = time.perf_counter()
+    blob = wire.encode(payload)
+    t1 = time.perf_counter()
+    back = wire.decode(blob)
+    t2 = time.perf_counter()
+    return back, len(blob), t1 - t0, t2 - t1
+
+
+def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, question: str = QUESTION,
+              progress=None) -> RelayRow:
+    sender = Agent(lm, "sender", role="You are a careful reader.")
+    receiver = Agent(lm, "receiver", max_new_tokens=max_new_tokens)
+    ids = context_ids(sender, n_tokens)
+    payload = sender.prefill(ids)
+    payload, nbytes, enc_s, dec_s = _wire_roundtrip(payload)
+    text_t, kv_t, recv_t, build_t, encs, decs = [], [], [], [], [enc_s], [dec_s]
+    text_ans = kv_ans = None
+    for r in range(repeats):
+        order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
+        for mode in order:
+            if mode == "text":
+                res = receiver.respond(question, payload.token_ids)
+                text_t.append(res.ttft_s)
+                text_ans = res.token_ids
+            else:
+                res = receiver.respond(question, payload)
+                kv_t.append(res.ttft_s)
+                recv_t.append(res.prefill_s)
+                build_t.append(res.cache_build_s)
+                kv_ans = res.token_ids
+            if progress:
+                progress()
+        if r:
+            _, _, e, d = _wire_roundtrip(payload)
+            encs.append(e)
+            decs.append(d)
+    med = statistics.median
+    text_s, kv_s, recv_s = med(text_t), med(kv_t), med(recv_t)
+    return RelayRow(
+        context_tokens=payload.num_tokens, text_ttft_s=text_s, kv_ttft_s=kv_s, ttft_speedup=text_s / kv_s,
+        ideal_ttft_speedup=text_s / recv_s, receiver_prefill_s=recv_s, cache_build_s=med(build_t),
+        payload_bytes=nbytes, encode_s=med(encs), decode_s=med(decs), outputs_identical=text_ans == kv_ans,
+        text_answer=receiver.decode(text_ans), kv_answer=receiver.decode(kv_ans), repeats=repeats,
+    )
+
+
+def bench_relay(lm, sizes: list[int], repeats: int = 3, max_new_tokens: int = 16, show_progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(min(torch.get_num_threads(), 2) or 1)
+    rows = []
+    with tqdm(total=len(sizes) * repeats * 2, desc="bench relay", unit="run", disable=not show_progress) as bar:
+        for n in sizes:
+            bar.set_postfix_str(f"{n} tokens")
+            rows.append(asdict(bench_one(lm, n, repeats, max_new_tokens, progress=bar.update)))
+    return {"model": lm.name, "fingerprint": lm.identity.fingerprint, "threads": torch.get_num_threads(),
+            "repeats": repeats, "max_new_tokens": max_new_tokens, "rows": rows}
+
