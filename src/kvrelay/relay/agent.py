@@ -144,12 +144,15 @@ class Agent:
         return self.prefill(ids) if ids else None
 
     def respond(self, prompt: str, context: Context = None, *, layout: str = "continue",
-                max_new_tokens: int | None = None, return_payload: bool = False) -> Response:
+                max_new_tokens: int | None = None, return_payload: bool = False,
+                min_new_tokens: int = 0) -> Response:
         """Answer ``prompt`` greedily, given a relayed payload, a text context, raw token ids, or nothing.
 
         * ``KVPayload``: relayed cache (checked, then used in ``layout``).
         * ``str``: a document re-encoded as a user turn before the prompt (the text channel).
         * token ids: re-encoded verbatim — with a payload's ``token_ids`` this is the exact text baseline.
+
+        ``min_new_tokens`` suppresses stop tokens until that many tokens are written (benchmarks).
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -190,7 +193,7 @@ class Agent:
         ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
         pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
         out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
-                       pad_id=self.tokenizer.pad_token_id or 0)
+                       pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens)
         n = int(out.lengths[0])
         gen = out.tokens[0, :n].tolist()
         payload = None

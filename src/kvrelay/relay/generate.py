@@ -42,16 +42,22 @@ def forward_all(model, input_ids, position_ids, cache, attention_mask) -> torch.
 
 
 def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next_positions: torch.Tensor,
-                    mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``."""
+                    mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
+                    min_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``.
+
+    Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
+    """
     B = first_logits.shape[0]
     done = torch.zeros(B, dtype=torch.bool)
     lengths = torch.zeros(B, dtype=torch.int64)
     out = []
     logits = first_logits
     pos = next_positions.clone()
+    stops = torch.tensor(sorted(i for i in stop_ids if i < first_logits.shape[-1]), dtype=torch.int64)
     for step in range(max_new_tokens):
+        if step < min_new_tokens and len(stops):
+            logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
         tok = logits.argmax(dim=-1)  # (B,)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out.append(tok)
@@ -69,12 +75,13 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
 
 
 def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0) -> Decoded:
+             attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
+             min_new_tokens: int = 0) -> Decoded:
     """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode."""
     t0 = time.perf_counter()
     logits = forward_last(model, input_ids, position_ids, cache, attention_mask)
     t1 = time.perf_counter()
     tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
-                                            max_new_tokens, stop_ids, pad_id)
+                                            max_new_tokens, stop_ids, pad_id, min_new_tokens)
     t2 = time.perf_counter()
     return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1)
