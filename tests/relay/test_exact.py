@@ -112,3 +112,15 @@ def test_padded_batch_same_prompt_crosses_sliding_window(tiny):
     batched = agent.respond_batch(["what is the code"] * 3, payloads)
     for p, got in zip(payloads, batched, strict=True):
         assert got.token_ids == agent.respond("what is the code", p, max_new_tokens=12).token_ids
+
+
+def test_text_batch_matches_each_alone(tiny):
+    """The text channel batched (left-padded full prefill) gives each row's solo answer."""
+    agent = Agent(tiny, "receiver", max_new_tokens=8)
+    ctxs = [random_ids(n, 50 + n) for n in (2, 9, 17)]
+    prompts = ["what is the code"] * 3 if tiny.identity.sliding_window else ["what", "which vault is blue", "how"]
+    batched = agent.respond_batch(prompts, ctxs)
+    for c, prompt, got in zip(ctxs, prompts, batched, strict=True):
+        assert got.token_ids == agent.respond(prompt, c, max_new_tokens=8).token_ids
+    with pytest.raises(ValueError, match="mixes"):
+        agent.respond_batch(["a", "b"], [Agent(tiny, "s").prefill(ctxs[0]), ctxs[1]])

@@ -176,12 +176,7 @@ class Agent:
             start_pos = int(context.next_positions[0])
             history_ids, history_pos = context.token_ids, context.positions
         else:
-            if context is None:
-                pre = []
-            elif isinstance(context, str):
-                pre = self.encode(self.fmt.user(context))
-            else:
-                pre = [int(t) for t in (context.reshape(-1).tolist() if isinstance(context, torch.Tensor) else context)]
+            pre = self._context_ids(context)
             if layout == "replace":
                 ids = self.encode(self.fmt.system(self.role)) + pre + self.prompt_ids(prompt, with_role=False)
             else:
@@ -222,19 +217,26 @@ class Agent:
         return from_cache(cache, new_ids, new_pos, torch.ones_like(new_ids, dtype=torch.bool),
                           PayloadMeta.from_identity(self.identity, producer=self.name, round=self.round))
 
-    def respond_batch(self, prompts: Sequence[str], contexts: Sequence[KVPayload], *,
+    def respond_batch(self, prompts: Sequence[str], contexts: Sequence[Context], *,
                       max_new_tokens: int | None = None) -> list[Response]:
-        """Answer several prompts, each after its own payload (continue layout), in one padded batch.
+        """Answer several prompts in one padded batch (continue layout).
 
-        Payloads are left-padded to a common length and prompts of different lengths are padded
-        where they start; an explicit (B, cached + new) attention mask hides every pad slot.
+        ``contexts`` are either all payloads (each row continues its own relayed cache) or all
+        text-like (token ids, a document string, or None: each row prefills its context itself).
+        Rows are left-padded; an explicit (B, cached + new) attention mask hides every pad slot.
         """
         if len(prompts) != len(contexts) or not prompts:
-            raise ValueError(f"need as many prompts as payloads (got {len(prompts)} and {len(contexts)})")
-        for c in contexts:
-            self.check(c)
-        ids = [self.prompt_ids(p) for p in prompts]
-        if self.identity.sliding_window and len({len(i) for i in ids}) > 1:
+            raise ValueError(f"need as many prompts as contexts (got {len(prompts)} and {len(contexts)})")
+        relayed = [isinstance(c, KVPayload) for c in contexts]
+        if any(relayed) and not all(relayed):
+            raise ValueError("a batch mixes relayed payloads and text contexts; split it by channel")
+        if all(relayed):
+            for c in contexts:
+                self.check(c)
+            ids = [self.prompt_ids(p) for p in prompts]
+        else:
+            ids = [self._context_ids(c) + self.prompt_ids(p) for p, c in zip(prompts, contexts, strict=True)]
+        if all(relayed) and self.identity.sliding_window and len({len(i) for i in ids}) > 1:
             # A sliding-window cache keeps the last window-1 *slots*; padding between a payload and a
             # shorter prompt would take window room from real tokens. Batch equal-length prompts only.
             groups: dict[int, list[int]] = {}
@@ -248,22 +250,36 @@ class Agent:
                     out[b] = r
             return out  # type: ignore[return-value]
         n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        t0 = time.perf_counter()
-        batch = pad_batch(contexts)
-        cache = to_cache(batch, self.model.config)
-        build_s = time.perf_counter() - t0
-        q = max(len(i) for i in ids)
         pad = self.tokenizer.pad_token_id or 0
-        ids_t = torch.tensor([[pad] * (q - len(i)) + i for i in ids], dtype=torch.int64)  # (B, q)
+        t0 = time.perf_counter()
+        q = max(len(i) for i in ids)
         real = torch.tensor([[False] * (q - len(i)) + [True] * len(i) for i in ids])  # (B, q)
-        offs = torch.cumsum(real.long(), dim=1) - 1  # (B, q): index among real prompt tokens
-        pos_t = (batch.next_positions[:, None] + offs.clamp_min(0)).to(torch.int64)  # (B, q)
-        mask = torch.cat((batch.mask, real), dim=1)  # (B, T + q)
-        out = generate(self.model, cache, ids_t, pos_t, mask, n_new, self.stop_ids, pad_id=pad)
+        offs = (torch.cumsum(real.long(), dim=1) - 1).clamp_min(0)  # (B, q): index among real tokens
+        if all(relayed):
+            batch = pad_batch(contexts)
+            cache = to_cache(batch, self.model.config)
+            pos_t = batch.next_positions[:, None] + offs  # (B, q)
+            mask = torch.cat((batch.mask, real), dim=1)  # (B, T + q)
+        else:
+            cache = self._empty_cache()
+            pos_t = offs
+            mask = real if not bool(real.all()) else None
+        build_s = time.perf_counter() - t0
+        ids_t = torch.tensor([[pad] * (q - len(i)) + i for i in ids], dtype=torch.int64)  # (B, q)
+        out = generate(self.model, cache, ids_t, pos_t.to(torch.int64), mask, n_new, self.stop_ids, pad_id=pad)
         self.round += 1
         res = []
-        for b in range(len(prompts)):
+        for b, c in enumerate(contexts):
             gen = out.tokens[b, : int(out.lengths[b])].tolist()
-            res.append(Response(self.decode(gen), tuple(gen), len(ids[b]), int(contexts[b].num_tokens),
+            n_relayed = c.num_tokens if isinstance(c, KVPayload) else 0
+            res.append(Response(self.decode(gen), tuple(gen), len(ids[b]), n_relayed,
                                 build_s + out.prefill_s, build_s, out.prefill_s, out.decode_s, "continue"))
         return res
+
+    def _context_ids(self, context: Context) -> list[int]:
+        """Token ids a text-like context contributes before the prompt (the text channel)."""
+        if context is None:
+            return []
+        if isinstance(context, str):
+            return self.encode(self.fmt.user(context))
+        return [int(t) for t in (context.reshape(-1).tolist() if isinstance(context, torch.Tensor) else context)]
