@@ -1,0 +1,285 @@
+"""Token eviction by attention score, with optional Orthogonal BackFill (OBF) of evicted values.
+
+Layout (see ``payload.py``): keys/values per held layer ``(B, H, T_l, D)``; token_ids / positions
+/ mask ``(B, T)``; sliding layers hold the last ``T_l = min(T, window - 1)`` slots. Scores are
+``(L, B, H, T)`` over the payload's slots (higher = more worth keeping; 0 where a layer holds nothing).
+
+What is kept, per row: the first ``sink`` tokens, the last ``recent`` tokens, and the top
+``round(keep × rest)`` of the tokens in between by score. Three ways to pick the top-k:
+
+* ``layerwise`` (default) — each layer picks its own tokens, shared by its KV heads;
+* ``headwise`` — each (layer, KV head) picks its own tokens, the same *count* per head;
+* ``shared`` — one token set for every layer and head (scores summed over layers and heads).
+
+Why per-layer / per-head token sets stay correct. Keys are cached *post-RoPE*: the phase of every
+kept key already encodes its original position, and attention between a new query and a cached
+key depends on nothing else. So slot ``s`` of layer ``l``, head ``h`` may hold a different token
+than slot ``s`` of another head, and the receiver's attention is still the attention over exactly
+the kept (token, position) pairs. What must stay right is the *position cursor*: the receiver's
+next token continues at the ORIGINAL sequence end, not at the number of kept tokens. The last
+``recent ≥ 1`` tokens are always kept (in every layer and head), so ``KVPayload.next_positions``
+(max position + 1) is the original end and ``Agent.respond`` continues there.
+
+What ``token_ids`` / ``positions`` mean after eviction. They are the *consensus* selection (the
+``shared`` choice: sinks + top-k of the summed scores + recent), strictly increasing, starting
+at the first sink and ending at the original last token. In ``shared`` mode they describe every
+layer and head exactly; in ``layerwise``/``headwise`` modes the sink and recent slots are exact
+for every layer and head and the middle slots are representative only (``eviction_plan`` gives
+the exact per-layer/per-head original slots). Nothing downstream needs more: ``to_cache`` ignores
+positions, ``shift_positions`` adds one delta to all of them, ``concat`` needs only the end.
+
+Sliding-window layers (gemma3) hold the last ``window - 1`` slots, and transformers' sliding
+mask counts *slots*, not positions; a sliding layer is exact only if its slots are the original
+last ``window - 1`` tokens, contiguous. So on a model with sliding layers the recent tail is at
+least ``window - 1`` tokens: sliding layers stay exactly as they were and eviction acts on the
+full-attention layers (which hold everything else anyway). On gemma3-270m (window 512) this
+floor is 511 tokens, so ``keep`` cannot shrink a 2k-token payload below ~25 % of its tokens.
+
+OBF (Orthogonal BackFill, arXiv 2604.13349; our reading — the paper's exact algorithm is not
+at hand). Eviction changes the attention output of a query ``q`` over the cache from
+``O = Σ_all a_t v_t`` to ``Ô = Σ_kept â_t v_t`` (``â`` = ``a`` renormalised over kept slots: keys
+are untouched, so the kept logits do not change). With probe queries whose full attention
+distributions ``P`` (R × T) we have, OBF adds a correction ``ΔV`` to the kept *values only*
+(never keys: they are post-RoPE and carry positions) that solves the ridge least-squares problem
+
+    min ||Â_S ΔV − (P V − Â_S V_S)||²  +  λ ||ΔV||²,     Â_S = P[:, S] renormalised (R × T')
+
+i.e. ``ΔV = Â_Sᵀ (Â_S Â_Sᵀ + λ I)⁻¹ R``. The right-hand side ``R`` is the evicted values'
+contribution the kept ones miss; ``ΔV`` is the minimum-norm update, it lies in the row space of
+``Â_S`` (rank ≤ R) — the span orthogonal to the null space the probes cannot see, so queries that
+attend like the probes get the evicted values back and others are disturbed as little as
+possible — and it is truncated to rank ``obf_rank`` by SVD. Sink values are left alone (every
+query attends to them; moving them would disturb the queries the probes do not represent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.transforms import pad_batch, unpad_row
+
+MODES = ("layerwise", "headwise", "shared")
+
+
+# -- scores ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AttentionProbe:
+    """How probe queries attend to a payload's cached slots (the cache part of softmax, renormalised).
+
+    ``probs[l]`` is (B, H_kv, R, T): R = (query heads per KV head) × (probe tokens) rows, each a
+    distribution over the T slots (0 on slots layer l does not hold and on padding).
+    """
+
+    probs: tuple[torch.Tensor, ...]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """(L, B, H_kv, T): attention each cached slot receives, averaged over probe rows."""
+        return torch.stack([p.mean(dim=2) for p in self.probs])
+
+    def row(self, b: int, start: int) -> AttentionProbe:
+        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs))
+
+
+def _probe_tokens(p: KVPayload, probe_ids, n_probe: int) -> torch.Tensor:
+    if probe_ids is None:
+        n = min(n_probe, int(p.lengths.min()))
+        return p.token_ids[:, -n:]  # (B, q): re-read the tail (left padding keeps it real)
+    ids = torch.as_tensor(probe_ids, dtype=torch.int64)
+    ids = ids.reshape(1, -1).expand(p.batch_size, -1) if ids.ndim <= 1 else ids
+    if ids.shape[0] != p.batch_size or ids.shape[1] == 0:
+        raise ValueError(f"probe_ids must be (q,) or (B={p.batch_size}, q) with q > 0, got {tuple(ids.shape)}")
+    return ids
+
+
+@torch.inference_mode()
+def attention_probe(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> AttentionProbe:
+    """Attention paid to each cached slot by probe tokens appended after the payload.
+
+    ``probe_ids`` (q,) or (B, q): the receiver's question when known (best: that is who will read
+    the cache). Without it the payload's last ``n_probe`` tokens are re-read as probes at the
+    next positions (a stand-in for SnapKV's observation window). The model runs through its
+    public API: ``set_attn_implementation("eager")`` for the one forward that returns attention
+    weights (restored afterwards — do not share the model with another thread meanwhile).
+    """
+    from kvrelay.kv.cache import to_cache
+
+    if not p.meta.complete:
+        raise ValueError(f"attention scores need every layer (payload holds {list(p.meta.layer_indices)})")
+    ids = _probe_tokens(p, probe_ids, n_probe)  # (B, q)
+    B, q = ids.shape
+    T = p.num_tokens
+    pos = p.next_positions[:, None] + torch.arange(q)[None]  # (B, q)
+    attn_mask = None if bool(p.mask.all()) else torch.cat((p.mask, torch.ones(B, q, dtype=torch.bool)), 1)
+    cache = to_cache(p, model.config)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=ids, position_ids=pos, cache=cache, attention_mask=attn_mask, use_cache=True,
+                    output_attentions=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    if out.attentions is None or len(out.attentions) != len(p.keys):
+        raise RuntimeError("the model returned no per-layer attention weights for output_attentions=True")
+    probs = []
+    for j, a in enumerate(out.attentions):  # a: (B, Hq, q, T_l + q)
+        H, T_l = p.keys[j].shape[1], p.keys[j].shape[2]
+        a = a[..., :T_l].float()  # (B, Hq, q, T_l): the cache part
+        a = a / a.sum(-1, keepdim=True).clamp_min(1e-30)
+        a = a.reshape(B, H, -1, T_l)  # (B, H_kv, group × q, T_l): query heads of a KV group are adjacent
+        full = a.new_zeros(B, H, a.shape[2], T)
+        full[..., T - T_l:] = a
+        probs.append(full)  # (B, H_kv, R, T)
+    return AttentionProbe(tuple(probs))
+
+
+def attention_scores(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> torch.Tensor:
+    """(L, B, H_kv, T): attention the probe tokens pay to each cached slot, averaged over the
+    query heads of each KV group and over probe tokens. See ``attention_probe``."""
+    return attention_probe(model, p, probe_ids, n_probe=n_probe).scores
+
+
+def key_norm_scores(p: KVPayload) -> torch.Tensor:
+    """(L, B, H_kv, T) model-free fallback: tokens with *small* key norm tend to draw attention
+    (Devoto et al. 2024, "A simple and effective L2 norm-based strategy for KV cache
+    compression"), so score = 1 / ||k||, normalised to sum 1 per (layer, row, head)."""
+    B, T = p.token_ids.shape
+    out = []
+    for k in p.keys:
+        T_l = k.shape[2]
+        s = 1.0 / k.float().norm(dim=-1).clamp_min(1e-6)  # (B, H, T_l)
+        s = s * p.mask[:, None, T - T_l:]
+        s = s / s.sum(-1, keepdim=True).clamp_min(1e-30)
+        full = s.new_zeros(B, k.shape[1], T)
+        full[..., T - T_l:] = s
+        out.append(full)
+    return torch.stack(out)
+
+
+# -- what to keep ----------------------------------------------------------------------------
+def recent_floor(p: KVPayload, recent: int) -> int:
+    """The recent tail actually kept: ``recent``, raised to ``window - 1`` when sliding layers are held."""
+    sliding = any(t == "sliding_attention" for t in p.meta.layer_types) and p.meta.sliding_window
+    return max(recent, p.meta.sliding_window - 1) if sliding else recent
+
+
+def _check(p: KVPayload, scores: torch.Tensor, keep: float, sink: int, recent: int, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep must be a fraction in [0, 1], got {keep}")
+    if sink < 0 or recent < 1:
+        raise ValueError(f"need sink >= 0 and recent >= 1 (the last token carries the position cursor), "
+                         f"got sink={sink}, recent={recent}")
+    want = (len(p.keys), p.batch_size, p.keys[0].shape[1], p.num_tokens)
+    if tuple(scores.shape) != want:
+        raise ValueError(f"scores must be (L, B, H_kv, T) = {want}, got {tuple(scores.shape)}")
+
+
+def eviction_plan(p: KVPayload, scores: torch.Tensor, keep: float, *, sink: int = 4, recent: int = 8,
+                  mode: str = "layerwise") -> tuple[torch.Tensor, torch.Tensor]:
+    """For a single unpadded row: ``(plan (L, H, T'), consensus (T',))`` original slots kept, sorted.
+
+    ``plan[l, h]`` is what layer l, head h keeps (sliding layers then keep its last window-1
+    entries, which are the original tail); ``consensus`` is the ``shared`` choice that becomes
+    the payload's token_ids/positions.
+    """
+    _check(p, scores, keep, sink, recent, mode)
+    if p.batch_size != 1 or not bool(p.mask.all()):
+        raise ValueError("eviction_plan works on one unpadded row (use unpad_row first)")
+    L, _, H, T = scores.shape
+    head = min(sink, T)
+    tail = min(recent_floor(p, recent), T - head)
+    m = T - head - tail
+    k = min(m, int(math.floor(keep * m + 0.5)))
+    s = scores[:, 0, :, head:T - tail].float()  # (L, H, m)
+    fixed_head, fixed_tail = torch.arange(head), torch.arange(T - tail, T)
+
+    def pick(x: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., T') sorted original slots
+        mid = x.topk(k, dim=-1).indices.sort(dim=-1).values + head
+        shape = (*x.shape[:-1], -1)
+        return torch.cat((fixed_head.expand(shape), mid, fixed_tail.expand(shape)), dim=-1)
+
+    consensus = pick(s.sum(dim=(0, 1)))  # (T',)
+    if mode == "shared":
+        plan = consensus.expand(L, H, -1)
+    elif mode == "layerwise":
+        plan = pick(s.sum(dim=1))[:, None, :].expand(L, H, -1)
+    else:
+        plan = pick(s)
+    return plan.contiguous(), consensus
+
+
+# -- OBF -------------------------------------------------------------------------------------
+def backfill(v: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, editable: torch.Tensor, *,
+             rank: int = 8, ridge: float = 1e-2) -> torch.Tensor:
+    """Corrected kept values of one head: v (T, D) all values, probs (R, T), kept (T',) slots,
+    editable (T',) bool (which kept slots may change) -> (T', D). See the module docstring."""
+    x = v.double()
+    P = probs.double()  # (R, T)
+    A = P[:, kept]  # (R, T')
+    A = A / A.sum(-1, keepdim=True).clamp_min(1e-30)
+    Vs = x[kept]  # (T', D)
+    resid = P @ x - A @ Vs  # (R, D): what the evicted values contributed and the kept ones miss
+    Ae = A[:, editable]  # (R, E)
+    if Ae.shape[1] == 0 or rank < 1:
+        return v[kept]
+    G = Ae @ Ae.T  # (R, R)
+    lam = ridge * float(G.diagonal().mean()) + 1e-12
+    dV = Ae.T @ torch.linalg.solve(G + lam * torch.eye(G.shape[0], dtype=G.dtype), resid)  # (E, D)
+    U, S, Vh = torch.linalg.svd(dV, full_matrices=False)
+    r = min(rank, S.numel())
+    dV = (U[:, :r] * S[:r]) @ Vh[:r]  # rank-r truncation
+    Vs = Vs.clone()
+    Vs[editable] += dV
+    return Vs.to(v.dtype)
+
+
+# -- evict -----------------------------------------------------------------------------------
+def _evict_row(p: KVPayload, scores: torch.Tensor, keep: float, sink: int, recent: int, mode: str,
+               obf: AttentionProbe | None, obf_rank: int) -> KVPayload:
+    plan, consensus = eviction_plan(p, scores, keep, sink=sink, recent=recent, mode=mode)
+    T, T_new = p.num_tokens, consensus.numel()
+    head = min(sink, T)
+    keys, values = [], []
+    for j, (k, v) in enumerate(zip(p.keys, p.values, strict=True)):
+        T_l = k.shape[2]
+        if T_l < T:  # sliding: keep the original tail (inside the kept recent floor)
+            held = min(T_new, p.meta.sliding_window - 1)
+            keys.append(k[:, :, T_l - held:])  # (1, H, held, D)
+            values.append(v[:, :, T_l - held:])
+            continue
+        idx = plan[j][None, :, :, None].expand(1, -1, -1, k.shape[3])  # (1, H, T', D)
+        kk, vv = k.gather(2, idx), v.gather(2, idx)  # (1, H, T', D)
+        if obf is not None and T_new < T:
+            vv = torch.stack([backfill(v[0, h], obf.probs[j][0, h], plan[j][h], plan[j][h] >= head,  # sinks stay
+                                       rank=obf_rank) for h in range(k.shape[1])])[None]  # (1, H, T', D)
+        keys.append(kk)
+        values.append(vv)
+    return replace(p, keys=tuple(keys), values=tuple(values), token_ids=p.token_ids[:, consensus],
+                   positions=p.positions[:, consensus], mask=p.mask[:, consensus])
+
+
+def evict(p: KVPayload, scores: torch.Tensor, keep: float, *, sink: int = 4, recent: int = 8,
+          mode: str = "layerwise", obf: AttentionProbe | None = None, obf_rank: int = 8) -> KVPayload:
+    """Keep sinks + top-``keep`` of the rest by ``scores`` (L, B, H_kv, T) + the recent tail.
+
+    ``obf``: the probe whose attention rows drive the OBF value correction (None = plain
+    eviction). Rows of a batch are evicted separately (each keeps ``round(keep × its rest)``) and
+    left-padded again. The result keeps ``meta`` (codec naming is the caller's business).
+    """
+    _check(p, scores, keep, sink, recent, mode)
+    if obf is not None and len(obf.probs) != len(p.keys):
+        raise ValueError(f"obf probe has {len(obf.probs)} layers, payload {len(p.keys)}")
+    T = p.num_tokens
+    rows = []
+    for b in range(p.batch_size):
+        row = unpad_row(p, b)
+        start = T - row.num_tokens
+        rows.append(_evict_row(row, scores[:, b:b + 1, :, start:], keep, sink, recent, mode,
+                               obf.row(b, start) if obf is not None else None, obf_rank))
+    return rows[0] if len(rows) == 1 else pad_batch(rows)
