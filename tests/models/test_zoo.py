@@ -112,3 +112,17 @@ def test_assemble_concatenates_parts_in_order_and_rejects_a_corrupted_file(scrat
     assert file_sha256(path) != e.sha256
     assert assemble(e, progress=False).read_bytes() == data
     assert not converted_dir(scratch_name).exists()
+
+
+@pytest.mark.integration
+def test_pull_clears_a_crashed_pulls_leftovers_before_failing_cleanly(scratch_name):
+    # Leftovers as a killed process would leave them: a half-written GGUF and a half-written conversion.
+    folder = model_dir(scratch_name)
+    (folder / "model.gguf.partial.99999").write_bytes(b"half a gguf")
+    (folder / "hf.tmp-99999").mkdir()
+    (folder / "hf.tmp-99999" / "model.safetensors").write_bytes(b"half a conversion")
+    e = _scratch_entry(scratch_name, "0" * 64)
+    assert not is_pulled(e)  # temp names are never mistaken for a finished pull
+    with pytest.raises(ChecksumMismatch):
+        pull(e, progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]

@@ -183,11 +183,20 @@ def pull(name: str | ZooEntry, *, progress: bool = True, keep_gguf: bool = False
     with _locked(model_dir(e.name)):
         if is_pulled(e):  # another process finished while we waited for the lock
             return converted_dir(e.name)
+        _remove_leftovers(model_dir(e.name))
         gguf = assemble(e, progress=progress)
         out = _convert(e, gguf, progress=progress)
         if not keep_gguf:
             gguf.unlink(missing_ok=True)
         return out
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Temp files of a crashed pull (we hold the lock, so no live pull owns them); they can be GBs."""
+    for p in folder.glob("hf.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in folder.glob("model.gguf.partial.*"):
+        p.unlink(missing_ok=True)
 
 
 @contextmanager
