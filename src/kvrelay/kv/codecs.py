@@ -227,8 +227,6 @@ class Compressed:
 # -- compress / decompress -------------------------------------------------------------------
 def _scores_for(p: KVPayload, st: Evict, ctx: dict) -> tuple[torch.Tensor, AttentionProbe | None]:
     probe = ctx.get("probe")
-    if probe is None and ctx.get("model") is not None and (ctx.get("scores") is None or st.obf):
-        probe = attention_probe(ctx["model"], p, ctx.get("probe_ids"), n_probe=ctx.get("n_probe", 8))
     if st.obf and probe is None:
         raise ValueError(f"{st.name} needs attention rows: pass model= (and probe_ids=) or probe=")
     scores = ctx.get("scores")
@@ -262,6 +260,11 @@ def compress(p: KVPayload, codec: str | Codec, **ctx) -> Compressed:
     ``obf_rank`` (8) (eviction knobs)."""
     c = parse(codec) if isinstance(codec, str) else codec
     raw = _fp32_nbytes(p)
+    ev = next((st for st in c.stages if isinstance(st, Evict)), None)
+    if ev is not None and ctx.get("probe") is None and ctx.get("model") is not None and (
+            ctx.get("scores") is None or ev.obf):
+        # Measured on the payload as given (complete), before any layer subset drops layers the model needs.
+        ctx = {**ctx, "probe": attention_probe(ctx["model"], p, ctx.get("probe_ids"), n_probe=ctx.get("n_probe", 8))}
     for st in c.stages:
         if isinstance(st, Layers):
             held = {li: j for j, li in enumerate(p.meta.layer_indices)}
