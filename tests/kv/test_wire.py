@@ -221,3 +221,11 @@ def test_read_meta_reads_only_the_header(payload, tmp_path):
     assert_same(wire.load(path), payload)  # store-side extras do not disturb the payload
     with pytest.raises(ValueError, match="override"):
         wire.encode(payload, extra_meta={"dtype": "float16"})
+
+
+def test_decoded_tensors_own_their_memory(payload):
+    data = bytearray(wire.encode(payload))
+    p = wire.decode(data)
+    data[:] = bytes(len(data))  # wipe the source buffer
+    assert_same(p, payload)
+    p.keys[0].add_(1)  # writable, and independent of any buffer
