@@ -17,8 +17,11 @@ A codec name is a ``+``-joined chain of stages, applied left to right::
 Eviction needs scores. ``compress(p, model=..., probe_ids=...)`` measures them with the model
 (``evict.attention_probe``: the probe tokens — the receiver's question when known, else the
 payload's own tail re-read); ``scores=`` (L, B, H_kv, T) or ``probe=`` (an ``AttentionProbe``)
-pass them in. With none of those, eviction falls back to model-free key-norm scores
-(``evict.key_norm_scores``) — cheaper and worse; OBF has no fallback (it needs attention rows).
+pass them in, aligned with the payload as given (a ``layers:`` stage subsets them; the model is
+run on the complete payload before any stage). With none of those, eviction falls back to
+model-free key-norm scores (``evict.key_norm_scores``) — cheaper and worse on real models; OBF
+has no fallback (it needs attention rows). Scores measured on the tiny random models are only a
+little better than key norms; on them the gain of OBF is the large one.
 
 ``Compressed`` holds exactly the tensors that travel; ``nbytes`` counts their bytes (the
 kvrelay/1 header, a few KB, is on top: ``wire_nbytes`` packs it for real);
