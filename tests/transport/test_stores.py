@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -148,23 +149,25 @@ def test_receiver_reuses_stored_prefix_and_prefills_the_rest(tiny, tmp_path, red
 # -- Redis specifics -----------------------------------------------------------------------------
 @pytest.mark.redis
 def test_redis_large_payload_is_chunked(redis_store):
-    big = fake_payload(8, T=1024, layers=5, heads=4, dim=128)  # 5 layers x 2 x 2 MiB = 20 MiB of K/V
+    big = fake_payload(8, T=2304, layers=1, heads=8, dim=128)  # K and V of 9 MiB each, over the 8 MiB chunk
     assert big.nbytes > 16 << 20
     key = put_payload(redis_store, big, ttl_s=60)
     r, ns = redis_store.client, redis_store.namespace
-    chunks = sorted(r.scan_iter(match=f"{ns}:c:*", count=1000))
-    assert len(chunks) == 3  # 8 MiB pieces
-    assert all(0 < r.pttl(k) <= 60_000 for k in [*chunks, f"{ns}:m:{key}".encode()])
+    chunks = list(r.scan_iter(match=f"{ns}:c:*", count=1000))
+    assert len(chunks) == json.loads(r.get(f"{ns}:m:{key}"))["chunks"] >= 5
+    assert max(r.strlen(k) for k in chunks) == 8 << 20
+    assert all(0 < r.pttl(k) <= 60_000 for k in [*chunks, f"{ns}:m:{key}".encode()])  # TTL on every piece
     assert same(redis_store.get(key), big)
     put_payload(redis_store, big)  # replacing frees the old version's chunks
-    assert len(list(r.scan_iter(match=f"{ns}:c:*", count=1000))) == 3
+    assert len(list(r.scan_iter(match=f"{ns}:c:*", count=1000))) == len(chunks)
+    assert all(r.pttl(k) == -1 for k in r.scan_iter(match=f"{ns}:c:*", count=1000))
 
 
 @pytest.mark.redis
 def test_redis_corrupt_chunk_is_refused(redis_store):
     store = RedisStore(redis_store.url, namespace=redis_store.namespace, chunk_bytes=1024)
     key = put_payload(store, fake_payload(9))
-    chunk = sorted(store.client.scan_iter(match=f"{store.namespace}:c:*"))[-1]
+    chunk = max(store.client.scan_iter(match=f"{store.namespace}:c:*"), key=lambda k: int(k.rsplit(b":", 1)[1]))
     data = bytearray(store.client.get(chunk))
     data[len(data) // 2] ^= 0xFF
     store.client.set(chunk, bytes(data))

@@ -34,7 +34,7 @@ import math
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -107,6 +107,13 @@ def _root_digest(meta: Mapping[str, str], tensors: Mapping[str, TensorEntry]) ->
 
 def pack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> bytes:
     """Serialise ``tensors`` with string metadata into kvrelay/1 bytes (adds format and checksums)."""
+    return b"".join(pack_parts(tensors, meta))
+
+
+def pack_parts(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> list:
+    """``pack`` as a list of buffers whose concatenation is the file: the length prefix, the header,
+    then each tensor's bytes as a zero-copy view. Writers that stream (files, Redis chunks) skip
+    the one big copy ``pack`` makes."""
     bad = [k for k in INTEGRITY_KEYS if k in meta]
     if bad:
         raise ValueError(f"metadata keys {bad} are reserved for the wire checksums")
@@ -135,7 +142,7 @@ def pack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> bytes:
     header["__metadata__"] = full_meta
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % 8)  # data section starts 8-aligned
-    return b"".join([len(head).to_bytes(8, "little"), head, *raws])
+    return [len(head).to_bytes(8, "little") + head, *(memoryview(r).cast("B") for r in raws)]
 
 
 def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_bytes: int,
@@ -291,11 +298,16 @@ def payload_tensors(p: KVPayload) -> dict[str, torch.Tensor]:
 
 def encode(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -> bytes:
     """``KVPayload`` -> kvrelay/1 bytes. ``extra_meta`` (e.g. a store's expiry) is checksummed too."""
+    return b"".join(encode_parts(p, extra_meta=extra_meta))
+
+
+def encode_parts(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -> list:
+    """``encode`` as buffers to write one after another (see ``pack_parts``)."""
     meta = p.meta.to_strings()
     clash = sorted(set(extra_meta or ()) & (set(meta) | set(INTEGRITY_KEYS)))
     if clash:
         raise ValueError(f"extra_meta must not override payload metadata {clash}")
-    return pack(payload_tensors(p), {**meta, **(extra_meta or {})})
+    return pack_parts(payload_tensors(p), {**meta, **(extra_meta or {})})
 
 
 def _payload_meta(h: Header) -> PayloadMeta:
@@ -444,7 +456,7 @@ def load(path: str | os.PathLike, *, expect: ModelIdentity | None = None, layers
                 pass
 
 
-def atomic_write(path: str | os.PathLike, data: Source, *, fsync: bool = True) -> None:
+def atomic_write(path: str | os.PathLike, data: Source | Sequence[Source], *, fsync: bool = True) -> None:
     """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
 
     Readers see the old file or the new one, never a partial one (rename is atomic on POSIX).
@@ -453,7 +465,8 @@ def atomic_write(path: str | os.PathLike, data: Source, *, fsync: bool = True) -
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(part)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -466,4 +479,4 @@ def atomic_write(path: str | os.PathLike, data: Source, *, fsync: bool = True) -
 def save(p: KVPayload, path: str | os.PathLike, *, extra_meta: Mapping[str, str] | None = None,
          fsync: bool = True) -> None:
     """Write ``p`` to ``path`` atomically (temporary file + rename)."""
-    atomic_write(path, encode(p, extra_meta=extra_meta), fsync=fsync)
+    atomic_write(path, encode_parts(p, extra_meta=extra_meta), fsync=fsync)

@@ -326,14 +326,15 @@ class RedisStore:
 
     def put(self, key: str, payload: KVPayload, ttl_s: float | None = None) -> None:
         _check_ttl(ttl_s)
-        data = memoryview(wire.encode(payload))
+        chunks = list(_chunks(wire.encode_parts(payload), self.chunk_bytes))
         px = max(1, math.ceil(ttl_s * 1000)) if ttl_s is not None else None
         version = secrets.token_hex(8)
-        n = max(1, math.ceil(data.nbytes / self.chunk_bytes))
-        manifest = {"version": version, "chunks": n, "size": data.nbytes, "full": _full_hash(payload)}
+        n = len(chunks)
+        size = sum(memoryview(c).nbytes for c in chunks)
+        manifest = {"version": version, "chunks": n, "size": size, "full": _full_hash(payload)}
         pipe = self.client.pipeline(transaction=True)
-        for i in range(n):
-            pipe.set(self._c(key, version, i), data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], px=px)
+        for i, chunk in enumerate(chunks):
+            pipe.set(self._c(key, version, i), chunk, px=px)
         pipe.set(self._m(key), json.dumps(manifest), px=px, get=True)
         for boundary, e in prefix_entries(key, payload):
             self._add_index(keys=[self._p(boundary)], args=[key, e.to_json(), px or -1], client=pipe)
@@ -424,6 +425,26 @@ class RedisStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _chunks(parts, size: int):
+    """Cut the encoded parts into Redis values of at most ``size`` bytes without copying big tensors:
+    a large part is sliced, and only runs of small parts are joined."""
+    run: list = []
+    run_bytes = 0
+    for part in parts:
+        mv = memoryview(part).cast("B")
+        if run and run_bytes + mv.nbytes > min(size, 1 << 20):
+            yield b"".join(run)
+            run, run_bytes = [], 0
+        if mv.nbytes >= 1 << 20 or mv.nbytes >= size:
+            for start in range(0, mv.nbytes, size):
+                yield mv[start:start + size]
+        else:
+            run.append(mv)
+            run_bytes += mv.nbytes
+    if run:
+        yield b"".join(run)
 
 
 def _batched(it, n: int):
