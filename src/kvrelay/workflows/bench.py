@@ -1,0 +1,156 @@
+"""``bench pipeline``: text vs kv runs of one workflow, interleaved in one process, medians.
+
+Each repeat runs both modes back to back, alternating which goes first, so drift in machine
+load (shared CPUs) hits both alike. Reported (DESIGN §7):
+
+* ``text_s`` / ``kv_s`` — median wall time of a whole run; ``speedup = text_s / kv_s``.
+* ``ideal_speedup = text_s / (text_s - avoided_s)``: what kv would reach if relaying cost
+  nothing. ``avoided_s`` is the prefill time kv mode avoids, measured per agent as text-mode
+  prefill minus kv-mode prefill on every agent that received a cache (median over repeats).
+  ``ideal_speedup_token_share`` is the same with ``avoided_s`` estimated instead as each
+  agent's text prefill time × the share of its prefilled tokens that kv relays.
+* ``outputs_identical`` — every agent wrote the same tokens in both modes, in every repeat.
+* ``fact`` — exact match of the known answer in the last agent's output, per mode.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+from kvrelay.workflows.run import RunTrace, run_workflow
+from kvrelay.workflows.workloads import Workload
+
+TIMING = ("prefill_s", "decode_s", "relay_encode_s", "relay_transfer_s", "relay_decode_s", "relay_s", "wall_s")
+COUNTS = ("prefill_tokens", "relayed_tokens", "decode_tokens", "input_tokens", "relay_bytes")
+
+
+def _median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def warm_up(lm) -> None:
+    """One short generation so lazy initialisation does not land in the first timed run."""
+    from kvrelay.relay.agent import Agent
+
+    Agent(lm, "warmup").respond("hello", max_new_tokens=2)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
+                   warmup: bool = True, progress=None) -> dict:
+    """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the DESIGN §7 dict."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup:
+        warm_up(lm)
+    wf = workload.workflow
+    runs: dict[str, list[RunTrace]] = {"text": [], "kv": []}
+    order_log = []
+    for r in range(repeats):
+        order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
+        for mode in order:
+            t = run_workflow(lm, wf, workload.context, mode=mode)
+            runs[mode].append(t)
+            if progress:
+                progress(f"repeat {r + 1}/{repeats} {mode}: {t.wall_s:.1f}s")
+        order_log.append({"repeat": r, "order": list(order), "text_s": runs["text"][-1].wall_s,
+                          "kv_s": runs["kv"][-1].wall_s})
+    return summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
+
+
+def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: list[dict], model: str) -> dict:
+    wf = workload.workflow
+    names = [a.name for a in wf.agents]
+    text_runs, kv_runs = runs["text"], runs["kv"]
+    repeats = len(text_runs)
+
+    def avoided(t: RunTrace, k: RunTrace, share: bool = False) -> float:
+        s = 0.0
+        for at, ak in zip(t.agents, k.agents, strict=True):
+            if ak.relayed_tokens:
+                s += at.prefill_s * ak.relayed_tokens / at.prefill_tokens if share else at.prefill_s - ak.prefill_s
+        return s
+
+    avoided_s = _median([avoided(t, k) for t, k in zip(text_runs, kv_runs, strict=True)])
+    avoided_share_s = _median([avoided(t, k, True) for t, k in zip(text_runs, kv_runs, strict=True)])
+    text_s = _median([t.wall_s for t in text_runs])
+    kv_s = _median([k.wall_s for k in kv_runs])
+    identical_per_repeat = [t.outputs() == k.outputs() for t, k in zip(text_runs, kv_runs, strict=True)]
+    deterministic = all(t.outputs() == text_runs[0].outputs() for t in text_runs) and all(
+        k.outputs() == kv_runs[0].outputs() for k in kv_runs)
+
+    per_agent = []
+    for i, name in enumerate(names):
+        row: dict = {"agent": name, "channel": kv_runs[0].agents[i].channel}
+        for mode, rs in (("text", text_runs), ("kv", kv_runs)):
+            recs = [t.agents[i] for t in rs]
+            for f in COUNTS:
+                row[f"{mode}_{f}"] = int(_median([getattr(a, f) for a in recs]))
+            for f in TIMING:
+                row[f"{mode}_{f}"] = _median([getattr(a, f) for a in recs])
+        t0, k0 = text_runs[0].agents[i], kv_runs[0].agents[i]
+        row["avoided_prefill_s"] = (_median([t.agents[i].prefill_s - k.agents[i].prefill_s
+                                             for t, k in zip(text_runs, kv_runs, strict=True)])
+                                    if k0.relayed_tokens else 0.0)
+        row["prefill_tokens_saved"] = t0.prefill_tokens - k0.prefill_tokens
+        row["identical"] = t0.token_ids == k0.token_ids
+        row["common_prefix_tokens"] = _common_prefix(t0.token_ids, k0.token_ids)
+        row["text_output"], row["kv_output"] = t0.text, k0.text
+        per_agent.append(row)
+
+    last_text, last_kv = text_runs[0].agents[-1].text, kv_runs[0].agents[-1].text
+    t_tot, k_tot = text_runs[0].totals(), kv_runs[0].totals()
+    differ = [r["agent"] for r in per_agent if not r["identical"]]
+    return {
+        "workflow": wf.name,
+        "agents": len(names),
+        "text_s": text_s,
+        "kv_s": kv_s,
+        "speedup": text_s / kv_s,
+        "ideal_speedup": text_s / (text_s - avoided_s),
+        "outputs_identical": all(identical_per_repeat),
+        "per_agent": per_agent,
+        # -- beyond the contract ---------------------------------------------------------------
+        "model": model,
+        "layout": wf.layout,
+        "context_tokens": text_runs[0].context_tokens,
+        "repeats": repeats,
+        "agent_names": names,
+        "edges": [{"src": e.src, "dst": e.dst, "channel": e.channel} for e in wf.edges],
+        "speedup_vs_ideal": (text_s / kv_s) / (text_s / (text_s - avoided_s)),
+        "speedup_paired_median": _median([o["text_s"] / o["kv_s"] for o in order_log]),
+        "ideal_speedup_token_share": text_s / (text_s - avoided_share_s),
+        "avoided_prefill_s": avoided_s,
+        "min_decode_tokens": min(a.decode_tokens for t in (*text_runs, *kv_runs) for a in t.agents),
+        "min_new_tokens": min(a.min_new_tokens for a in wf.agents),
+        "max_new_tokens": max(a.max_new_tokens for a in wf.agents),
+        "text_prefill_tokens": t_tot["prefill_tokens"],
+        "kv_prefill_tokens": k_tot["prefill_tokens"],
+        "prefill_tokens_saved": t_tot["prefill_tokens"] - k_tot["prefill_tokens"],
+        "relayed_tokens": k_tot["relayed_tokens"],
+        "relay_bytes": k_tot["relay_bytes"],
+        "kv_relay_s": _median([k.totals()["relay_s"] for k in kv_runs]),
+        "outputs_identical_per_repeat": identical_per_repeat,
+        "deterministic": deterministic,
+        "agents_differing": differ,
+        "fraction_agents_differing": len(differ) / len(names),
+        "fact": {"answer": workload.fact, "text_exact_match": workload.fact_found(last_text),
+                 "kv_exact_match": workload.fact_found(last_kv)},
+        "source": workload.source,
+        "runs": order_log,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

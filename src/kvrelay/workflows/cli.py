@@ -1,0 +1,97 @@
+"""``kvrelay bench pipeline`` (mounted under ``bench`` by the root CLI); also
+``python -m kvrelay.workflows.cli pipeline ...``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Multi-agent workflows: text vs kv channels.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+console = Console()
+
+
+@app.callback()
+def _group() -> None:
+    """Keep ``pipeline`` a named sub-command even while it is the only one."""
+
+
+def load_workload(workflow: str, tokenizer, context_tokens: int, *, seed: int, layout: str | None,
+                  source: str | None, max_new_tokens: int | None, min_new_tokens: int | None):
+    from kvrelay.workflows.spec import Workflow
+    from kvrelay.workflows.workloads import build_workload
+
+    custom = Workflow.load(workflow) if workflow.endswith(".toml") else None
+    wl = build_workload(custom.name if custom else workflow, tokenizer, context_tokens, seed=seed, layout=layout,
+                        workflow=custom, source=source)
+    if max_new_tokens is not None or min_new_tokens is not None:
+        from dataclasses import replace
+
+        wl = replace(wl, workflow=wl.workflow.with_tokens(max_new_tokens, min_new_tokens))
+    return wl
+
+
+def print_result(res: dict) -> None:
+    t = Table(title=f"bench pipeline — {res['workflow']} on {res['model']}, {res['context_tokens']} context tokens, "
+                    f"{res['layout']} layout (medians of {res['repeats']})")
+    for col in ("agent", "channel", "mode", "prefill tok", "prefill s", "decode tok", "decode s", "relayed tok",
+                "relay MB", "relay s", "wall s", "same"):
+        t.add_column(col, justify="left" if col in ("agent", "channel", "mode") else "right")
+    for r in res["per_agent"]:
+        for mode in ("text", "kv"):
+            t.add_row(r["agent"] if mode == "text" else "", r["channel"] if mode == "kv" else "text", mode,
+                      str(r[f"{mode}_prefill_tokens"]), f"{r[f'{mode}_prefill_s']:.2f}",
+                      str(r[f"{mode}_decode_tokens"]), f"{r[f'{mode}_decode_s']:.2f}",
+                      str(r[f"{mode}_relayed_tokens"]), f"{r[f'{mode}_relay_bytes'] / 1e6:.1f}",
+                      f"{r[f'{mode}_relay_s']:.3f}", f"{r[f'{mode}_wall_s']:.2f}",
+                      "" if mode == "text" else ("yes" if r["identical"] else f"no ({r['common_prefix_tokens']})"))
+    console.print(t)
+    f = res["fact"]
+    console.print(f"text {res['text_s']:.2f}s  kv {res['kv_s']:.2f}s  speedup {res['speedup']:.2f}x  "
+                  f"ideal {res['ideal_speedup']:.2f}x  ({res['speedup_vs_ideal']:.2f} of ideal)  "
+                  f"outputs identical: {res['outputs_identical']}  "
+                  f"fact exact-match text/kv: {f['text_exact_match']}/{f['kv_exact_match']}  "
+                  f"min tokens written: {res['min_decode_tokens']}")
+
+
+@app.command("pipeline")
+def pipeline(
+    workflow: str = typer.Option("doc5", help="built-in workload (review3, doc5, dialogue, hierarchy) or a .toml file"),
+    model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name, local folder or transformers id"),
+    context_tokens: int = typer.Option(2048, help="shared context size in tokens (real text)"),
+    repeats: int = typer.Option(3, help="interleaved text/kv repeats; medians are reported"),
+    layout: str = typer.Option(None, help="continue | replace (default: the workflow's)"),
+    source: str = typer.Option(None, help="prose | code (default: the workload's)"),
+    max_new_tokens: int = typer.Option(None, help="override every agent's max_new_tokens"),
+    min_new_tokens: int = typer.Option(None, help="override every agent's min_new_tokens (default 32)"),
+    seed: int = typer.Option(0, help="picks the text offset and the known-answer fact"),
+    json_path: Path = typer.Option(None, "--json", help="write the result here (plot beside it as .png)"),
+    plot: bool = typer.Option(True, help="write the PNG next to the JSON"),
+) -> None:
+    """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
+    from kvrelay.models.loader import load_model
+    from kvrelay.workflows.bench import bench_pipeline
+    from kvrelay.workflows.plot import plot_pipeline
+
+    lm = load_model(model)
+    wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
+                       max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
+    res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s))
+    res["context_tokens_requested"] = context_tokens
+    res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
+                      f" --repeats {repeats}" + (f" --layout {layout}" if layout else ""))
+    print_result(res)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(res, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+        if plot:
+            console.print(f"wrote {plot_pipeline(res, json_path.with_suffix('.png'))}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,186 @@
+"""Workflows as data: agents, edges with a channel, and a position layout.
+
+The *token sequence* each agent reads is fixed by the graph alone, so that every channel
+choice feeds it the same tokens and greedy outputs can be compared exactly:
+
+* a root (no incoming edge) reads the shared context as a user turn, then its own turn;
+* an agent with one predecessor reads that predecessor's whole turn (everything the
+  predecessor read, its prompt and its answer), then its own turn;
+* an agent with several predecessors (fan-in) reads the context they all share (they must have
+  the same predecessor, or all be roots), then its own turn, which quotes their answers.
+
+The *channel* of an edge says only how those tokens arrive:
+
+* ``text``    — the receiver re-encodes them (prefills every token itself): the baseline.
+* ``kv``      — the sender's whole-turn cache is relayed; the receiver prefills only its own
+  turn. Single-predecessor edges only: several whole-turn caches cannot be one prefix.
+* ``kv+text`` — fan-in edges: the cache the senders started from (their shared context) is
+  relayed, and the senders' answers arrive as text inside the receiver's turn.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+CHANNELS = ("text", "kv", "kv+text")
+LAYOUTS = ("continue", "replace")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    name: str
+    role: str  # the agent's standing instruction (folded into its turn in the continue layout)
+    prompt: str  # what it is asked to do in its turn
+    max_new_tokens: int = 48
+    min_new_tokens: int = 0  # stop tokens suppressed until this many tokens are written
+
+    def __post_init__(self):
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"agent name must be non-empty without spaces, got {self.name!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{self.name}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"{self.name}: need 0 <= min_new_tokens ({self.min_new_tokens}) "
+                             f"<= max_new_tokens ({self.max_new_tokens})")
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    src: str
+    dst: str
+    channel: str = "kv"
+
+    def __post_init__(self):
+        if self.channel not in CHANNELS:
+            raise ValueError(f"edge {self.src}->{self.dst}: channel must be one of {CHANNELS}, got {self.channel!r}")
+        if self.src == self.dst:
+            raise ValueError(f"edge {self.src}->{self.dst} is a self-loop")
+
+
+@dataclass(frozen=True, slots=True)
+class Workflow:
+    """A DAG of agents; ``agents`` is listed in execution order (every edge points forward)."""
+
+    name: str
+    agents: tuple[AgentSpec, ...]
+    edges: tuple[Edge, ...] = ()
+    layout: str = "continue"
+    description: str = ""
+    _preds: dict = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "agents", tuple(self.agents))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not self.agents:
+            raise ValueError("a workflow needs at least one agent")
+        order = {a.name: i for i, a in enumerate(self.agents)}
+        if len(order) != len(self.agents):
+            raise ValueError(f"agent names must be unique: {[a.name for a in self.agents]}")
+        preds: dict[str, list[Edge]] = {a.name: [] for a in self.agents}
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in order:
+                    raise ValueError(f"edge {e.src}->{e.dst}: no agent named {end!r}")
+            if order[e.src] >= order[e.dst]:
+                raise ValueError(f"edge {e.src}->{e.dst} points backwards: list agents in execution order")
+            preds[e.dst].append(e)
+        for dst, ins in preds.items():
+            if len({e.src for e in ins}) != len(ins):
+                raise ValueError(f"{dst}: duplicate incoming edges")
+            if len(ins) == 1 and ins[0].channel == "kv+text":
+                raise ValueError(f"edge {ins[0].src}->{dst}: kv+text is for fan-in; a single edge is kv or text")
+            if len(ins) > 1:
+                kv = [e for e in ins if e.channel == "kv"]
+                if kv:
+                    raise ValueError(f"edge {kv[0].src}->{dst}: several whole-turn caches cannot form one "
+                                     "prefix; use kv+text (shared context as cache, answers as text)")
+                grand = {tuple(sorted(p.src for p in preds[e.src])) for e in ins}
+                if len(grand) != 1 or len(next(iter(grand))) > 1:
+                    raise ValueError(f"{dst}: fan-in senders must share one predecessor (or all be roots); "
+                                     f"they have {sorted(grand)}")
+        object.__setattr__(self, "_preds", {k: tuple(v) for k, v in preds.items()})
+
+    # -- derived -------------------------------------------------------------------------------
+    def agent(self, name: str) -> AgentSpec:
+        for a in self.agents:
+            if a.name == name:
+                return a
+        raise KeyError(f"no agent {name!r} in workflow {self.name!r}")
+
+    def incoming(self, name: str) -> tuple[Edge, ...]:
+        return self._preds[name]
+
+    def outgoing(self, name: str) -> tuple[Edge, ...]:
+        return tuple(e for e in self.edges if e.src == name)
+
+    def with_channels(self, channel: str) -> Workflow:
+        """The same graph with every edge on ``channel`` (``text``: the re-encode baseline)."""
+        return replace(self, edges=tuple(replace(e, channel=channel) for e in self.edges))
+
+    def with_layout(self, layout: str) -> Workflow:
+        return replace(self, layout=layout)
+
+    def with_tokens(self, max_new_tokens: int | None = None, min_new_tokens: int | None = None) -> Workflow:
+        def fix(a: AgentSpec) -> AgentSpec:
+            hi = a.max_new_tokens if max_new_tokens is None else max_new_tokens
+            lo = a.min_new_tokens if min_new_tokens is None else min_new_tokens
+            return replace(a, max_new_tokens=max(hi, lo), min_new_tokens=lo)
+        return replace(self, agents=tuple(fix(a) for a in self.agents))
+
+    # -- TOML ----------------------------------------------------------------------------------
+    def to_toml(self) -> str:
+        lines = [f"name = {_q(self.name)}", f"layout = {_q(self.layout)}"]
+        if self.description:
+            lines.append(f"description = {_q(self.description)}")
+        for a in self.agents:
+            lines += ["", "[[agents]]", f"name = {_q(a.name)}", f"role = {_q(a.role)}", f"prompt = {_q(a.prompt)}",
+                      f"max_new_tokens = {a.max_new_tokens}", f"min_new_tokens = {a.min_new_tokens}"]
+        for e in self.edges:
+            lines += ["", "[[edges]]", f"src = {_q(e.src)}", f"dst = {_q(e.dst)}", f"channel = {_q(e.channel)}"]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str) -> Workflow:
+        d = tomllib.loads(text)
+        unknown = set(d) - {"name", "layout", "description", "agents", "edges"}
+        if unknown:
+            raise ValueError(f"unknown workflow keys {sorted(unknown)}")
+        return cls(name=d["name"], layout=d.get("layout", "continue"), description=d.get("description", ""),
+                   agents=tuple(AgentSpec(**a) for a in d.get("agents", [])),
+                   edges=tuple(Edge(**e) for e in d.get("edges", [])))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Workflow:
+        return cls.from_toml(Path(path).read_text(encoding="utf-8"))
+
+
+def _q(s: str) -> str:
+    """A TOML basic string."""
+    out = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{out}"'
+
+
+# -- shapes ------------------------------------------------------------------------------------
+def chain(name: str, agents: list[AgentSpec] | tuple[AgentSpec, ...], *, channel: str = "kv",
+          layout: str = "continue", description: str = "") -> Workflow:
+    """Agents in a line, each reading the previous one's whole turn."""
+    edges = tuple(Edge(a.name, b.name, channel) for a, b in zip(agents, agents[1:], strict=False))
+    return Workflow(name, tuple(agents), edges, layout, description)
+
+
+def hierarchy(name: str, planner: AgentSpec, workers: list[AgentSpec] | tuple[AgentSpec, ...],
+              aggregator: AgentSpec, *, channel: str = "kv", layout: str = "continue",
+              description: str = "") -> Workflow:
+    """Planner -> workers (each continues from the planner) -> aggregator (reads every worker's answer).
+
+    ``channel="kv"`` relays the planner's cache to each worker and, on the fan-in, the planner's
+    cache plus the workers' answers as text (``kv+text``); ``"text"`` re-encodes everything.
+    """
+    fan_in = "kv+text" if channel == "kv" else channel
+    edges = tuple(Edge(planner.name, w.name, channel) for w in workers)
+    edges += tuple(Edge(w.name, aggregator.name, fan_in) for w in workers)
+    return Workflow(name, (planner, *workers, aggregator), edges, layout, description)
