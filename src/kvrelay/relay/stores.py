@@ -191,8 +191,11 @@ class DiskStore:
         name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
         for boundary, e in prefix_entries(key, payload):
             folder = self._index_dir(boundary)
-            folder.mkdir(parents=True, exist_ok=True)
-            wire.atomic_write(folder / name, e.to_json().encode(), fsync=False)
+            try:
+                wire.atomic_write(folder / name, e.to_json().encode(), fsync=False)
+            except FileNotFoundError:  # first entry under this boundary
+                folder.mkdir(parents=True, exist_ok=True)
+                wire.atomic_write(folder / name, e.to_json().encode(), fsync=False)
 
     def _index_dir(self, boundary: str) -> Path:
         return self.root / "prefix" / boundary[:2] / boundary
@@ -309,7 +312,7 @@ class RedisStore:
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
         self.max_retries = max_retries
-        self.client = redis.Redis.from_url(url)
+        self.client = redis.Redis.from_url(url, socket_read_size=1 << 20)  # big replies: fewer recv calls
         self._add_index = self.client.register_script(_INDEX_LUA)
 
     def _m(self, key: str) -> str:
