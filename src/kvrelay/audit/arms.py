@@ -1,0 +1,154 @@
+"""Audit arms (DESIGN.md §6): what the receiver gets in place of the relayed cache.
+
+Every arm is built only from the public payload transforms and codecs — the audit is a client of
+the library. An ``Arm`` is parsed from its name once; ``build`` turns the sender's matched
+payload (and, for the controls, a length-matched payload of another task) into the receiver's
+context: a ``KVPayload`` for cache arms, token ids / text for text arms, ``None`` for ``none``.
+
+=================  ===============================================================
+``none``           the receiver's prompt only
+``text_message``   a note the sender writes for the receiver (costs sender decode)
+``text_full``      the sender's whole context re-encoded (identical tokens to ``kv``)
+``kv``             the sender's payload
+``kv_mismatched``  another task's payload, length-matched (fixed shift within the set)
+``kv_zeroed``      K and V zeroed
+``kv_random``      Gaussian K/V moment-matched per example, layer and K/V
+``kv_noise:σ``     payload + noise of σ × per-layer RMS
+``kv_layers:SPEC`` matched content only in layers SPEC (``first:0.5``, ``last:0.25``, ``0-11``);
+                   the mismatched payload elsewhere, so length and presence stay equal
+``kv_tokens:SPEC`` only a fraction of tokens: ``first:0.5``, ``last:0.2``, ``topk:0.2``
+``kv_codec:NAME``  after a codec (``fp16``, ``int8``, ``int4``, ``evict:0.2``, ...)
+=================  ===============================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvrelay.kv import transforms as T
+from kvrelay.kv.payload import KVPayload
+
+BASE_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
+DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec")
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    name: str  # full name as written, e.g. "kv_noise:0.5"
+    kind: str  # "none" | "text_message" | ... | "kv_noise" | ...
+    spec: str = ""
+
+    @property
+    def is_kv(self) -> bool:
+        return self.kind.startswith("kv")
+
+    @property
+    def needs_mismatch(self) -> bool:
+        return self.kind in ("kv_mismatched", "kv_layers")
+
+    @property
+    def stochastic(self) -> bool:
+        """Depends on the seed (beyond the mismatch partner): random draws."""
+        return self.kind in ("kv_random", "kv_noise")
+
+
+def parse_arm(name: str) -> Arm:
+    kind, _, spec = name.strip().partition(":")
+    if kind in BASE_ARMS and not spec:
+        return Arm(name.strip(), kind)
+    if kind in DIAL_ARMS and spec:
+        arm = Arm(name.strip(), kind, spec)
+        if kind == "kv_noise":
+            if float(spec) < 0:
+                raise ValueError(f"{name}: noise sigma must be >= 0")
+        elif kind == "kv_tokens":
+            how, _, frac = spec.partition(":")
+            if how not in ("first", "last", "topk") or not 0 < float(frac) <= 1:
+                raise ValueError(f"{name}: expected kv_tokens:first|last|topk:FRACTION in (0, 1]")
+        elif kind == "kv_codec":
+            from kvrelay.kv.codecs import available_codecs, parse
+
+            try:
+                parse(spec)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e} (available: {', '.join(available_codecs())})") from None
+        return arm
+    raise ValueError(
+        f"unknown arm {name!r}; expected one of {', '.join(BASE_ARMS)} or "
+        "kv_noise:SIGMA, kv_layers:SPEC, kv_tokens:first|last|topk:FRAC, kv_codec:NAME"
+    )
+
+
+def layer_subset(spec: str, n_layers: int) -> list[int]:
+    """``first:0.5`` / ``last:0.25`` / ``0-11`` / ``0,3,5`` -> model layer indices."""
+    how, _, frac = spec.partition(":")
+    if how in ("first", "last"):
+        k = max(1, round(float(frac) * n_layers))
+        return list(range(k)) if how == "first" else list(range(n_layers - k, n_layers))
+    if "-" in spec:
+        a, b = (int(x) for x in spec.split("-"))
+        return list(range(a, b + 1))
+    return [int(x) for x in spec.split(",")]
+
+
+def _mix_layers(matched: KVPayload, other: KVPayload, keep: list[int]) -> KVPayload:
+    """Layers in ``keep`` from ``matched``, the rest from ``other`` (same length); token ids stay the matched ones."""
+    if other.num_tokens != matched.num_tokens:
+        raise ValueError("kv_layers needs a length-matched mismatched payload")
+    keys = [m if i in keep else o for i, (m, o) in enumerate(zip(matched.keys, other.keys, strict=True))]
+    values = [m if i in keep else o for i, (m, o) in enumerate(zip(matched.values, other.values, strict=True))]
+    return replace(matched, keys=tuple(keys), values=tuple(values))
+
+
+def _token_subset(p: KVPayload, spec: str, scores: torch.Tensor | None) -> KVPayload:
+    how, _, frac = spec.partition(":")
+    n = p.num_tokens
+    k = max(1, round(float(frac) * n))
+    if how == "first":
+        # keep the first k tokens and the last one, so the receiver's position cursor continues correctly
+        idx = sorted(set(range(k)) | {n - 1})
+        return T.select_tokens(p, idx)
+    if how == "last":
+        return T.select_tokens(p, list(range(n - k, n)))
+    from kvrelay.kv.evict import evict
+
+    if scores is None:
+        raise ValueError("kv_tokens:topk needs attention scores")
+    return evict(p, scores, keep=float(frac))
+
+
+def build_kv(arm: Arm, matched: KVPayload, mismatched: KVPayload | None, generator: torch.Generator,
+             model=None) -> tuple[KVPayload, int]:
+    """The payload a cache arm relays, and its size in bytes on the wire."""
+    if arm.kind == "kv":
+        return matched, matched.nbytes
+    if arm.kind == "kv_mismatched":
+        if mismatched is None:
+            raise ValueError("kv_mismatched needs another task's payload")
+        return mismatched, mismatched.nbytes
+    if arm.kind == "kv_zeroed":
+        return T.zeroed(matched), matched.nbytes
+    if arm.kind == "kv_random":
+        return T.moment_matched_random(matched, generator), matched.nbytes
+    if arm.kind == "kv_noise":
+        return T.with_noise(matched, float(arm.spec), generator), matched.nbytes
+    if arm.kind == "kv_layers":
+        keep = layer_subset(arm.spec, matched.meta.num_model_layers)
+        mixed = _mix_layers(matched, mismatched, keep)
+        return mixed, T.select_layers(matched, keep).nbytes
+    if arm.kind == "kv_tokens":
+        scores = None
+        if arm.spec.startswith("topk"):
+            from kvrelay.kv.evict import attention_scores
+
+            scores = attention_scores(model, matched)
+        out = _token_subset(matched, arm.spec, scores)
+        return out, out.nbytes
+    if arm.kind == "kv_codec":
+        from kvrelay.kv.codecs import compress
+
+        c = compress(matched, arm.spec, model=model)
+        return c.decompress(), c.nbytes
+    raise ValueError(f"{arm.name} is not a cache arm")

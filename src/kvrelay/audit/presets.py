@@ -1,0 +1,57 @@
+"""Named audit configurations. ``quick`` fits in 15 minutes on 2 CPU cores; ``full`` is paper-scale."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvrelay.audit.runner import AuditConfig
+
+CONTROL_ARMS = ("none", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
+
+PRESETS: dict[str, AuditConfig] = {
+    # Private regime (generated records + SQuAD) next to the shared regime (ARC-Challenge).
+    "quick": AuditConfig(
+        model="qwen2.5-coder-0.5b",
+        tasks=("gen", "squad", "arc_challenge"),
+        arms=CONTROL_ARMS + ("kv_noise:1.0",),
+        seeds=(0, 1),
+        limit=32,
+        batch_size=8,
+        similarity_sample=6,
+        n_boot=2000,
+        preset="quick",
+    ),
+    # The paper's protocol: >= 500 tasks per cell, 5 seeds, the full arm set with dose-response dials.
+    "full": AuditConfig(
+        model="qwen2.5-coder-0.5b",
+        tasks=("gen", "squad", "arc_challenge"),
+        arms=CONTROL_ARMS + ("text_message", "kv_noise:0.1", "kv_noise:0.5", "kv_noise:1.0", "kv_layers:first:0.5",
+                             "kv_layers:last:0.5", "kv_tokens:last:0.5", "kv_codec:int8", "kv_codec:int4",
+                             "kv_codec:evict:0.2"),
+        seeds=(0, 1, 2, 3, 4),
+        limit=500,
+        batch_size=8,
+        similarity_sample=16,
+        n_boot=2000,
+        preset="full",
+    ),
+    # A seconds-long smoke run (tests, CI, a first look at a new model).
+    "smoke": AuditConfig(
+        model="smollm2-135m",
+        tasks=("gen", "arc_challenge"),
+        arms=("none", "text_full", "kv", "kv_mismatched", "kv_zeroed"),
+        seeds=(0,),
+        limit=4,
+        batch_size=4,
+        similarity_sample=2,
+        n_boot=200,
+        preset="smoke",
+    ),
+}
+
+
+def preset(name: str, **overrides) -> AuditConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    return replace(PRESETS[name], **clean)

@@ -1,0 +1,230 @@
+"""Paired audit runner: every task under every arm, same seeds, resumable, one JSONL record per trial.
+
+Protocol (stated once):
+
+* The sender reads each task's context once (one prefill per task); every cache arm starts
+  from a copy of that payload. The mismatched payload of task ``i`` under seed ``s`` is built
+  from the task ``s + 1`` places further in the same task set (a fixed shift), cut or extended
+  with real context to *exactly* the matched payload's length.
+* Decoding is greedy, so an arm whose input does not depend on the seed (``none``,
+  ``text_full``, ``text_message``, ``kv``, ``kv_zeroed``, codecs, token subsets) gives the same
+  answer under every seed: it is computed once per task and recorded for each seed. Seeds drive
+  the random draws (``kv_random``, ``kv_noise``), the mismatch partner, and the arm order.
+* Tasks run in batches (one padded forward per arm); arm order is rotated per batch and seed
+  (counterbalanced). Latencies of a batched trial are the batch's time divided by its rows, the
+  same accounting for every arm.
+* ``latency_s`` = relay build + receiver prefill + receiver decode (+ the sender's decode for
+  ``text_message``). ``relay_bytes`` = payload bytes for cache arms, UTF-8 bytes of the text for
+  text arms, 0 for ``none``. ``prefill_tokens`` = tokens the receiver prefilled.
+* Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvrelay.audit.arms import Arm, build_kv, parse_arm
+from kvrelay.audit.tasks import Task, load_tasks, score
+from kvrelay.kv.payload import KVPayload
+from kvrelay.relay.agent import Agent
+
+SENDER_ROLE = "You are the reader. Study the material below carefully; a colleague will ask about it."
+RECEIVER_ROLE = "You are the answerer. Answer briefly and exactly."
+MESSAGE_PROMPT = ("Write a short note for a colleague who must answer the question below without seeing the "
+                  "material. Include every fact they need.\n\n{question}")
+MAX_NEW = {"qa_success": 12, "exact_match": 12, "token_f1": 12, "contains": 12, "choice_letter": 6,
+           "yes_no": 4, "final_number": 160}
+
+
+@dataclass(frozen=True, slots=True)
+class AuditConfig:
+    """One audit run. Presets in ``presets.py``; the CLI maps onto this 1:1."""
+
+    model: str
+    tasks: tuple[str, ...]
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...] = (0,)
+    limit: int | None = 40
+    batch_size: int = 8
+    message_tokens: int = 48
+    similarity_sample: int = 8
+    margin: float = 2.8
+    n_boot: int = 2000
+    preset: str = "custom"
+
+    def __post_init__(self):
+        for a in self.arms:
+            parse_arm(a)
+        if not self.tasks or not self.arms or not self.seeds:
+            raise ValueError("an audit needs at least one task set, one arm and one seed")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+
+@dataclass
+class _TaskState:
+    task: Task
+    index: int
+    payload: KVPayload
+    sender_s: float
+    mismatched: dict[int, KVPayload] = field(default_factory=dict)
+
+
+def _records_done(path: Path) -> set[tuple[str, str, int]]:
+    done = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done.add((r["task_id"], r["arm"], int(r["seed"])))
+    return done
+
+
+class AuditRunner:
+    """Runs an ``AuditConfig`` into ``out_dir/records.jsonl``; stateless between runs except that file."""
+
+    def __init__(self, cfg: AuditConfig, lm, out_dir: Path, progress: Callable[[int], None] | None = None):
+        self.cfg, self.lm, self.out = cfg, lm, Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.records_path = self.out / "records.jsonl"
+        self.sender = Agent(lm, "sender", role=SENDER_ROLE)
+        self.receiver = Agent(lm, "receiver", role=RECEIVER_ROLE)
+        self.arms = [parse_arm(a) for a in cfg.arms]
+        self.progress = progress or (lambda n: None)
+        self.versions = {"kvrelay": _version(), "torch": torch.__version__, "python": platform.python_version(),
+                         "model_fingerprint": lm.identity.fingerprint}
+        self._memo: dict[tuple[str, str], dict] = {}
+
+    # -- payloads -----------------------------------------------------------------------------
+    def _head_tail(self) -> tuple[list[int], list[int]]:
+        user_head, _, user_tail = self.sender.fmt.user_tpl.partition("{text}")
+        head = self.sender.encode(self.sender.fmt.system(self.sender.role)) + self.sender.encode(user_head)
+        return head, self.sender.encode(user_tail)
+
+    def _mismatched(self, tasks: list[Task], i: int, seed: int, length: int) -> KVPayload:
+        """Another task's reading, cut/extended to exactly ``length`` tokens (same wrapper as the sender's)."""
+        head, tail = self._head_tail()
+        want = length - len(head) - len(tail)
+        body: list[int] = []
+        j = i
+        while len(body) < want:
+            j = (j + seed + 1) % len(tasks)
+            if j == i:
+                j = (j + 1) % len(tasks)
+            body += self.sender.encode(tasks[j].context + "\n\n")
+        ids = head + body[:max(want, 0)] + tail
+        return self.sender.prefill(ids[:length])
+
+    # -- one batch ----------------------------------------------------------------------------
+    def _contexts(self, arm: Arm, states: list[_TaskState], seed: int) -> tuple[list, list[int], float]:
+        """Receiver contexts for ``arm``, their relay bytes, and any sender-side seconds it cost."""
+        gen = torch.Generator().manual_seed(10_007 * seed + 17)
+        if arm.kind == "none":
+            return [None] * len(states), [0] * len(states), 0.0
+        if arm.kind == "text_full":
+            ctx = [s.payload.token_ids for s in states]
+            return ctx, [len(s.task.context.encode()) for s in states], 0.0
+        if arm.kind == "text_message":
+            prompts = [MESSAGE_PROMPT.format(question=s.task.prompt) for s in states]
+            t0 = time.perf_counter()
+            notes = self.sender.respond_batch(prompts, [s.payload for s in states],
+                                              max_new_tokens=self.cfg.message_tokens)
+            spent = time.perf_counter() - t0
+            return [n.text for n in notes], [len(n.text.encode()) for n in notes], spent
+        out, sizes = [], []
+        for s in states:
+            p, nbytes = build_kv(arm, s.payload, s.mismatched.get(seed), gen, model=self.lm.model)
+            out.append(p)
+            sizes.append(nbytes)
+        return out, sizes, 0.0
+
+    def _run_arm(self, arm: Arm, states: list[_TaskState], seed: int, max_new: int) -> list[dict]:
+        t0 = time.perf_counter()
+        contexts, sizes, sender_extra = self._contexts(arm, states, seed)
+        relay_s = time.perf_counter() - t0 - sender_extra
+        prompts = [s.task.prompt for s in states]
+        responses = self.receiver.respond_batch(prompts, contexts, max_new_tokens=max_new)
+        B = len(states)
+        rows = []
+        for s, r, nbytes in zip(states, responses, sizes, strict=True):
+            rows.append({
+                "task_id": s.task.id, "task": s.task.task, "regime": s.task.regime, "arm": arm.name, "seed": seed,
+                "covariates": s.task.covariate_dict(), "answer": r.text, "gold": list(s.task.answers),
+                "score": score(s.task, r.text), "prefill_tokens": r.prefill_tokens, "relayed_tokens": r.relayed_tokens,
+                "relay_bytes": nbytes, "sender_s": s.sender_s + sender_extra / B, "relay_s": relay_s / B,
+                "ttft_s": r.ttft_s / B, "decode_s": r.decode_s / B,
+                "latency_s": (relay_s + sender_extra + r.ttft_s + r.decode_s) / B, "batch": B,
+                "versions": self.versions,
+            })
+        return rows
+
+    def run_set(self, name: str, done: set, sink) -> None:
+        tasks = load_tasks(name, limit=self.cfg.limit, seed=0)
+        if len(tasks) < 2:
+            raise ValueError(f"task set {name!r} has {len(tasks)} task(s); the mismatched arm needs at least 2")
+        max_new = MAX_NEW.get(tasks[0].scorer, 16)
+        bs = self.cfg.batch_size
+        for b0 in range(0, len(tasks), bs):
+            batch = list(range(b0, min(b0 + bs, len(tasks))))
+            todo = {(tasks[i].id, a.name, s) for i in batch for a in self.arms for s in self.cfg.seeds} - done
+            if not todo:
+                continue
+            states = []
+            for i in batch:
+                t0 = time.perf_counter()
+                p = self.sender.read(tasks[i].context)
+                states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
+            for k, seed in enumerate(self.cfg.seeds):
+                if any(a.needs_mismatch for a in self.arms):
+                    for st in states:
+                        st.mismatched[seed] = self._mismatched(tasks, st.index, seed, st.payload.num_tokens)
+                rot = (b0 // bs + k) % len(self.arms)
+                for arm in self.arms[rot:] + self.arms[:rot]:
+                    need = [st for st in states if (st.task.id, arm.name, seed) in todo]
+                    if not need:
+                        continue
+                    reusable = not (arm.stochastic or arm.needs_mismatch)
+                    if reusable and all((st.task.id, arm.name) in self._memo for st in need):
+                        rows = [dict(self._memo[(st.task.id, arm.name)], seed=seed, reused=True) for st in need]
+                    else:
+                        rows = self._run_arm(arm, need, seed, max_new)
+                        if reusable:
+                            for st, r in zip(need, rows, strict=True):
+                                self._memo[(st.task.id, arm.name)] = r
+                    for r in rows:
+                        sink(r)
+                    self.progress(len(rows))
+
+    def total_trials(self) -> int:
+        return sum(len(load_tasks(n, limit=self.cfg.limit, seed=0)) for n in self.cfg.tasks) * len(self.arms) * len(
+            self.cfg.seeds)
+
+    def run(self) -> Path:
+        done = _records_done(self.records_path)
+        (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        with self.records_path.open("a") as f:
+            def sink(row: dict) -> None:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+
+            for name in self.cfg.tasks:
+                self.run_set(name, done, sink)
+        return self.records_path
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _version() -> str:
+    from kvrelay import __version__
+
+    return __version__
+
