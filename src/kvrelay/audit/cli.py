@@ -54,10 +54,10 @@ def _print_headline(summary: dict) -> None:
     for e in summary["effects"]:
         if e["outcome"] != "success" or e["contrast"] not in ("pairing", "presence", "kv_vs_none", "kv_vs_text_full"):
             continue
-        fmt = (lambda v: "—" if v is None else f"{v:+.1f}")
         ci = "—" if e["ci_low"] is None else f"[{e['ci_low']:+.1f}, {e['ci_high']:+.1f}]"
         ph = "—" if e.get("p_holm") is None else f"{e['p_holm']:.3g}"
-        t.add_row(e["regime"], e["task"], e["contrast"], fmt(e["estimate"]), ci, ph, str(e["n"]))
+        est = "—" if e["estimate"] is None else f"{e['estimate']:+.1f}"
+        t.add_row(e["regime"], e["task"], e["contrast"], est, ci, ph, str(e["n"]))
     console.print(t)
     console.print(summary["verdict"])
 
