@@ -12,7 +12,7 @@ from rich.table import Table
 
 app = typer.Typer(help="Multi-agent workflows: text vs kv channels.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-console = Console()
+console = Console(width=None if Console().is_terminal else 150)
 
 
 @app.callback()
@@ -71,19 +71,25 @@ def pipeline(
     seed: int = typer.Option(0, help="picks the text offset and the known-answer fact"),
     json_path: Path = typer.Option(None, "--json", help="write the result here (plot beside it as .png)"),
     plot: bool = typer.Option(True, help="write the PNG next to the JSON"),
+    threads: int = typer.Option(None, help="torch intra-op threads (1 is steadier on a shared, busy CPU)"),
 ) -> None:
     """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
     from kvrelay.models.loader import load_model
     from kvrelay.workflows.bench import bench_pipeline
     from kvrelay.workflows.plot import plot_pipeline
 
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     lm = load_model(model)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
     res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s))
     res["context_tokens_requested"] = context_tokens
     res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
-                      f" --repeats {repeats}" + (f" --layout {layout}" if layout else ""))
+                      f" --repeats {repeats}" + (f" --layout {layout}" if layout else "")
+                      + (f" --threads {threads}" if threads is not None else ""))
     print_result(res)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
