@@ -1,0 +1,627 @@
+"""The audit report: ``report.md`` and a self-contained ``report.html`` from records + summary.
+
+:func:`write_report` lays the report out once as a list of :class:`Section` objects (paragraphs,
+tables, figures) and renders that list twice: Markdown (figures as PNG files under ``figures/``)
+and HTML (the same PNGs embedded as base64 ``data:`` URIs, inline CSS, a Content-Security-Policy
+that forbids every non-inline resource, so the page loads with no network). Sections whose data
+is absent (no dose arms, no covariates…) become a one-line note; the verdict is always last.
+:func:`rebuild` backs ``kvrelay audit report DIR``: records.jsonl (+ run.json) → summary.json +
+report.
+
+Units as in :mod:`kvrelay.audit.stats`: success effects in points (score × 100), ``A − B``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrelay.audit import plots
+from kvrelay.audit.paired import CONTRASTS
+from kvrelay.audit.stats import ALL, summarize
+
+ALPHA = 0.05
+CONTRAST_ORDER = tuple(CONTRASTS)
+#: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
+#: carries them over from the summary.json it replaces.
+CARRIED_KEYS = ("similarity",)
+#: meta keys shown first, in this order, with these labels; other keys follow as they come.
+META_LABELS = {"model": "model", "preset": "preset", "tasks": "task sets", "arms": "arms", "seeds": "seeds",
+               "limit": "tasks per set (limit)", "elapsed_s": "elapsed", "command": "command line",
+               "versions": "versions"}  # fmt: skip
+
+
+# ---------------------------------------------------------------- layout blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Para:
+    text: str
+    kind: str = "p"  # "p" | "note" (explanation) | "warn" (data problem) | "cost" (verdict sub-line)
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    keys: list[str] | None = None  # per row, an HTML data-key (tests and readers can find a row)
+    collapsed: bool = False  # long detail tables: folded in HTML (<details>), plain in Markdown
+
+
+@dataclass(frozen=True, slots=True)
+class Fig:
+    name: str  # file stem under figures/
+    png: bytes
+    caption: str
+
+
+@dataclass(slots=True)
+class Section:
+    id: str
+    title: str
+    blocks: list[Para | Table | Fig] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- number formatting
+
+
+def _pts(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1f}"
+
+
+def _p(p: float | None) -> str:
+    return "n/a" if p is None else ("<0.001" if p < 0.001 else f"{p:.3g}")
+
+
+def _bytes(b: float | None, signed: bool = True) -> str:
+    if b is None:
+        return "n/a"
+    sign = ("+" if b >= 0 else "-") if signed else ("" if b >= 0 else "-")
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= size:
+            return f"{sign}{abs(b) / size:.2f} {unit}"
+    return f"{sign}{abs(b):.0f} B"
+
+
+def _fmt(outcome: str, x: float | None) -> str:
+    """A value of ``outcome`` with its unit (effects are signed)."""
+    if x is None:
+        return "n/a"
+    if outcome == "success":
+        return f"{x:+.1f} pts"
+    if outcome == "latency_s":
+        return f"{x:+.3g} s"
+    if outcome == "relay_bytes":
+        return _bytes(x)
+    return f"{x:+.0f} tok" if outcome == "prefill_tokens" else f"{x:+.3g}"
+
+
+def _ci(outcome: str, lo: float | None, hi: float | None) -> str:
+    """``[lo, hi]``; success bounds without the unit (the estimate next to it carries it)."""
+    if lo is None or hi is None:
+        return "n/a"
+    if outcome == "success":
+        return f"[{_pts(lo)}, {_pts(hi)}]"
+    return f"[{_fmt(outcome, lo)}, {_fmt(outcome, hi)}]"
+
+
+def _duration(s: object) -> str:
+    if not isinstance(s, int | float):
+        return str(s)
+    m, sec = divmod(float(s), 60.0)
+    return f"{s:.0f} s ({int(m)} min {sec:.0f} s)" if m else f"{s:.1f} s"
+
+
+def _value(v: object) -> str:
+    """A meta value as one line: lists comma-joined, dicts as ``k=v``."""
+    if isinstance(v, Mapping):
+        return ", ".join(f"{k}={_value(x)}" for k, x in v.items())
+    if isinstance(v, list | tuple):
+        return ", ".join(str(x) for x in v)
+    return str(v)
+
+
+def _task(task: str) -> str:
+    return "pooled (ALL)" if task == ALL else task
+
+
+def _sorted_effects(rows: Sequence[Mapping]) -> list[Mapping]:
+    regimes = ("private", "shared")
+
+    def key(e: Mapping) -> tuple:
+        c = e["contrast"]
+        return (regimes.index(e["regime"]) if e["regime"] in regimes else 9, e["task"] == ALL, e["task"],
+                CONTRAST_ORDER.index(c) if c in CONTRAST_ORDER else 99, c)  # fmt: skip
+
+    return sorted(rows, key=key)
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _facts(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> Section:
+    sec = Section("run", "Run")
+    rows: list[tuple[str, str]] = []
+    for key, label in META_LABELS.items():
+        if key in meta and meta[key] not in (None, "", [], {}):
+            v = meta[key]
+            if key == "elapsed_s":
+                text = _duration(v)
+            elif key == "command" and isinstance(v, list | tuple):
+                text = " ".join(str(x) for x in v)
+            else:
+                text = _value(v)
+            rows.append((label, text))
+    rows += [(str(k), _value(v)) for k, v in meta.items() if k not in META_LABELS and v not in (None, "", [], {})]
+    tasks = summary.get("tasks") or {}
+    rows.append(("tasks", f"{summary.get('n_tasks', 'n/a')} ("
+                 + ", ".join(f"{k}: {v}" for k, v in tasks.items()) + ")"))  # fmt: skip
+    rows.append(("trials", str(len(records))))
+    if "seeds" in summary and _value(summary["seeds"]) != _value(meta.get("seeds", "")):
+        rows.append(("seeds in records", _value(summary["seeds"])))
+    s = summary.get("settings") or {}
+    if s:
+        rows.append(("statistics", f"{_conf(s)} BCa bootstrap ({s.get('n_boot', '?')} resamples, cluster over tasks),"
+                     f" Holm per outcome family, TOST margin ±{s.get('margin', 2.8):g} points at"
+                     f" α={s.get('tost_alpha', ALPHA):g}"))  # fmt: skip
+    sec.blocks.append(Table(("", ""), rows))
+    sec.blocks.append(Para("Success is the task's score in points (score × 100). Every effect is paired, "
+                           "A − B, matched on task and seed; contrasts: " + "; ".join(
+                               f"{c} = {a} − {b}" for c, (a, b) in CONTRASTS.items()) + ".", "note"))  # fmt: skip
+    unmatched = summary.get("unmatched") or []
+    if unmatched:
+        parts = [f"{u['regime']}/{_task(u['task'])} {u['contrast']}: {u.get('only_a', 0)} {u.get('arm_a', 'A')}"
+                 f" trials and {u.get('only_b', 0)} {u.get('arm_b', 'B')} trials without a partner" for u in unmatched]
+        sec.blocks.append(Para("Unmatched trials (left out of the paired effects): " + "; ".join(parts) + ".", "warn"))
+    return sec
+
+
+def _conf(settings: Mapping) -> str:
+    c = settings.get("confidence")
+    return f"{100 * c:g}%" if isinstance(c, int | float) else "95%"
+
+
+def _success_by_arm(records: Sequence[Mapping]) -> Section:
+    """Mean success per arm (rows) and cell (columns); the pooled cell only for regimes with several task sets."""
+    sec = Section("success", "Success by arm")
+    means = _arm_means(records)
+    counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in records:
+        for task in (r["task"], ALL):
+            counts[(r["regime"], task)][r["arm"]] += 1
+    regimes = ("private", "shared")
+    cells = []
+    for regime, task in sorted(means, key=lambda k: (regimes.index(k[0]) if k[0] in regimes else 9, k[1] == ALL, k[1])):
+        n_sets = len({t for (g, t) in means if g == regime and t != ALL})
+        if not (task == ALL and n_sets == 1):  # the pooled cell of a one-task-set regime repeats its task set
+            cells.append((regime, task))
+    rows, keys = [], []
+    for arm in _arm_order({r["arm"] for r in records}):
+        rows.append((arm, *(f"{means[c][arm]:.1f} (n={counts[c][arm]})" if arm in means[c] else "—" for c in cells)))
+        keys.append(arm)
+    sec.blocks.append(Para("Mean success (points) per arm and cell; n = trials (tasks × seeds).", "note"))
+    sec.blocks.append(Table(("arm", *(f"{g} · {_task(t)}" for g, t in cells)), rows, keys))
+    return sec
+
+
+FIXED_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
+
+
+def _arm_order(arms: set[str]) -> list[str]:
+    """The fixed arms in DESIGN.md §6 order, then dial arms sorted."""
+    return [a for a in FIXED_ARMS if a in arms] + sorted(arms - set(FIXED_ARMS))
+
+
+def _arm_rank(arm: str) -> tuple[int, str]:
+    return (FIXED_ARMS.index(arm) if arm in FIXED_ARMS else len(FIXED_ARMS), arm)
+
+
+def _effects_table(rows: Sequence[Mapping], level: str, collapsed: bool = False) -> Table:
+    out, keys = [], []
+    for e in _sorted_effects(rows):
+        o = e["outcome"]
+        a, b = CONTRASTS.get(e["contrast"], ("A", "B"))
+        star = " *" if e.get("p_holm") is not None and e["p_holm"] < ALPHA else ""
+        out.append((e["regime"], _task(e["task"]), e["contrast"], f"{a} − {b}", o, _fmt(o, e.get("estimate")) + star,
+                    _ci(o, e.get("ci_low"), e.get("ci_high")), _p(e.get("p_value")), _p(e.get("p_holm")),
+                    str(e.get("n", "n/a"))))  # fmt: skip
+        keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}/{o}")
+    return Table(("regime", "task set", "contrast", "A − B", "outcome", "estimate", f"{level} CI", "p", "Holm p",
+                  "n pairs"), out, keys, collapsed)  # fmt: skip
+
+
+def _effects(summary: Mapping) -> list[Section]:
+    effects = summary.get("effects") or []
+    level = _conf(summary.get("settings") or {})
+    head = Section("effects", "Effects on success")
+    success = [e for e in effects if e["outcome"] == "success"]
+    if not success:
+        head.blocks.append(Para("No contrast could be estimated: the run lacks the arms of every contrast.", "note"))
+        return [head]
+    head.blocks.append(Para(f"Paired risk differences in points with {level} BCa bootstrap CIs; p from exact McNemar "
+                            "(one seed) or Wilcoxon on per-task means; Holm across all success effects. "
+                            "* = Holm p < 0.05.", "note"))  # fmt: skip
+    png = plots.forest_plot(success)
+    if png:
+        head.blocks.append(Fig("forest", png, "Forest plot: success contrasts per regime and task set (95% CI); "
+                                              "filled = Holm p < 0.05."))  # fmt: skip
+    head.blocks.append(_effects_table(success, level))
+    costs = Section("costs", "Effects on cost")
+    other = [e for e in effects if e["outcome"] != "success"]
+    if other:
+        costs.blocks.append(Para("The same contrasts on latency (s), relay bytes and receiver prefill tokens "
+                                 "(negative = the first arm is cheaper); Holm within each outcome.", "note"))  # fmt: skip
+        costs.blocks.append(_effects_table(other, level, collapsed=True))
+    else:
+        costs.blocks.append(Para("No cost outcomes were recorded.", "note"))
+    return [head, costs]
+
+
+def _equivalence(summary: Mapping) -> Section:
+    sec = Section("equivalence", "Equivalence (TOST)")
+    rows = summary.get("equivalence") or []
+    if not rows:
+        sec.blocks.append(Para("No equivalence test: the contrasts it tests were not run.", "note"))
+        return sec
+    margin = rows[0].get("margin", 2.8)
+    sec.blocks.append(Para(f"Two one-sided tests that the effect lies within ±{margin:g} points (the paper's margin); "
+                           "90% CI from a paired t with cluster-robust SE; Holm across all equivalence tests.", "note"))  # fmt: skip
+    out, keys = [], []
+    for e in _sorted_effects(rows):
+        eq = "yes" if e.get("equivalent") else ("n/a" if e.get("p_tost") is None else "no")
+        out.append((e["regime"], _task(e["task"]), e["contrast"], _fmt("success", e.get("estimate")),
+                    _ci("success", e.get("ci90_low"), e.get("ci90_high")), f"±{e.get('margin', margin):g}",
+                    _p(e.get("p_tost")), _p(e.get("p_holm")), eq, str(e.get("n", "n/a"))))  # fmt: skip
+        keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}")
+    sec.blocks.append(Table(("regime", "task set", "contrast", "estimate", "90% CI", "margin", "p TOST", "Holm p",
+                             "equivalent", "n pairs"), out, keys))  # fmt: skip
+    return sec
+
+
+def _dose(summary: Mapping, records: Sequence[Mapping]) -> Section:
+    sec = Section("dose", "Dose-response")
+    rows = summary.get("dose_response") or []
+    if not rows:
+        sec.blocks.append(Para("No dose arms (kv_noise, kv_layers, kv_tokens, kv_codec) were run: no dose-response.",
+                               "note"))  # fmt: skip
+        return sec
+    png = plots.dose_response_plot(rows, _arm_means(records))
+    if png:
+        sec.blocks.append(Fig("dose_response", png, "Success against the dose (95% CI); kv is the reference "
+                                                    "(σ 0, fraction 1); dashed: kv_mismatched, dotted: none."))  # fmt: skip
+    out, keys = [], []
+    for r in sorted(rows, key=lambda r: (r["regime"], r["task"] == ALL, r["task"], r["family"], not r.get("reference"),
+                                         r.get("dose_value") or 0.0, r["dose"])):  # fmt: skip
+        out.append((r["regime"], _task(r["task"]), r["family"], r["dose"], r["arm"], f"{r['mean']:.1f}"
+                    if r.get("mean") is not None else "n/a", _ci("success", r.get("ci_low"), r.get("ci_high")),
+                    _fmt("success", r.get("effect_vs_kv")) if not r.get("reference") else "reference",
+                    _ci("success", r.get("effect_ci_low"), r.get("effect_ci_high")), _p(r.get("p_value")),
+                    str(r.get("n", "n/a"))))  # fmt: skip
+        keys.append(f"{r['regime']}/{r['task']}/{r['arm']}")
+    sec.blocks.append(Table(("regime", "task set", "family", "dose", "arm", "success", "CI", "effect vs kv",
+                             "effect CI", "p", "n"), out, keys, collapsed=True))  # fmt: skip
+    return sec
+
+
+def _arm_means(records: Sequence[Mapping]) -> dict[tuple[str, str], dict[str, float]]:
+    acc: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        for task in (r["task"], ALL):
+            acc[(r["regime"], task)][r["arm"]].append(100.0 * float(r["score"]))
+    return {cell: {a: sum(v) / len(v) for a, v in arms.items()} for cell, arms in acc.items()}
+
+
+def _cate(summary: Mapping) -> Section:
+    sec = Section("cate", "Conditional effects (CATE)")
+    rows = summary.get("cate") or []
+    contrasts = {r["contrast"] for r in rows}
+    contrast = next((c for c in CONTRAST_ORDER if c in contrasts), None)
+    if contrast is None:
+        sec.blocks.append(Para("No covariates were recorded (or no contrast was run): no subgroup effects.", "note"))
+        return sec
+    picked = [r for r in rows if r["contrast"] == contrast]
+    if not any(r["covariate"] == "doc_tokens" for r in picked):
+        sec.blocks.append(Para("doc_tokens was not recorded: no effect by document length.", "note"))
+    sec.blocks.append(Para(f"Subgroup effects of the {contrast} contrast on success (points, CI), by covariate "
+                           "(numeric covariates in quantile bins per task set); p_fdr is Benjamini–Hochberg across "
+                           "the subgroups of a cell and contrast. All contrasts are in summary.json.", "note"))  # fmt: skip
+    png = plots.cate_plot(rows, contrast)
+    if png:
+        sec.blocks.append(Fig("cate", png, f"{contrast} effect by subgroup (95% CI), one line per task set."))
+    out, keys = [], []
+    for r in sorted(picked, key=lambda r: (r["regime"], r["task"] == ALL, r["task"], r["covariate"] != "doc_tokens",
+                                           r["covariate"], r.get("lo") if r.get("lo") is not None else 0.0,
+                                           r["subgroup"])):  # fmt: skip
+        out.append((r["regime"], _task(r["task"]), r["covariate"], r["subgroup"], _fmt("success", r.get("estimate")),
+                    _ci("success", r.get("ci_low"), r.get("ci_high")), _p(r.get("p_value")), _p(r.get("p_fdr")),
+                    str(r.get("n", "n/a"))))  # fmt: skip
+        keys.append(f"{r['regime']}/{r['task']}/{r['covariate']}/{r['subgroup']}")
+    sec.blocks.append(Table(("regime", "task set", "covariate", "subgroup", "effect", "CI", "p", "p_fdr", "n pairs"),
+                            out, keys, collapsed=True))  # fmt: skip
+    reg = [r for r in summary.get("cate_regression") or [] if r["contrast"] == contrast]
+    if reg:
+        sec.blocks.append(Para(f"Regression of the paired {contrast} difference (points) on the covariates "
+                               "(OLS; cluster-robust SE by task with several seeds, HC1 otherwise).", "note"))  # fmt: skip
+        out = [(r["regime"], _task(r["task"]), r["term"], "n/a" if r.get("coef") is None else f"{r['coef']:+.4g}",
+                "n/a" if r.get("se") is None else f"{r['se']:.3g}", _p(r.get("p_value")), str(r.get("n", "n/a")),
+                str(r.get("cov_type", ""))) for r in reg]  # fmt: skip
+        sec.blocks.append(Table(("regime", "task set", "term", "coef", "SE", "p", "n", "SE type"), out, collapsed=True))
+    return sec
+
+
+def _cost_benefit(summary: Mapping) -> Section:
+    sec = Section("cost_benefit", "Cost-benefit")
+    rows = summary.get("cost_benefit") or []
+    if not rows:
+        sec.blocks.append(Para("Neither none nor text_full was run: no baseline to measure gains against.", "note"))
+        return sec
+    png = plots.cost_benefit_plot(rows)
+    if png:
+        sec.blocks.append(Fig("cost_benefit", png, "Accuracy gained per arm against extra latency and extra relay "
+                                                   "bytes, pooled per regime (95% CI)."))  # fmt: skip
+    pooled = [r for r in rows if r["task"] == ALL]
+    sec.blocks.append(Para("Per arm against each baseline, pooled per regime (per task set in summary.json): "
+                           "accuracy gained, paired extra costs, and cost per point gained.", "note"))  # fmt: skip
+    out, keys = [], []
+    for r in sorted(pooled, key=lambda r: (r["regime"], r["reference"], _arm_rank(r["arm"]))):
+        out.append((r["regime"], r["arm"], r["reference"], _fmt("success", r.get("gain_points")),
+                    _ci("success", r.get("gain_ci_low"), r.get("gain_ci_high")), _fmt("latency_s", r.get("extra_latency_s")),
+                    _bytes(r.get("extra_relay_bytes")), _fmt("prefill_tokens", r.get("extra_prefill_tokens")),
+                    "n/a" if r.get("latency_s_per_point") is None else f"{1e3 * r['latency_s_per_point']:.3g} ms",
+                    _bytes(r.get("bytes_per_point"), signed=False), r.get("note") or ""))  # fmt: skip
+        keys.append(f"{r['regime']}/{r['arm']}/{r['reference']}")
+    sec.blocks.append(Table(("regime", "arm", "vs", "gain", "gain CI", "extra latency", "extra bytes",
+                             "extra prefill", "latency/point", "bytes/point", "note"), out, keys))  # fmt: skip
+    return sec
+
+
+def _similarity(summary: Mapping) -> Section | None:
+    rows = summary.get("similarity")
+    if not rows:
+        return None
+    sec = Section("similarity", "Similarity analysis")
+    sec.blocks.append(Para("On a sample of tasks: the receiver's attention mass on relayed positions and the cosine "
+                           "similarity of its last-layer hidden states between arms (95% CI).", "note"))  # fmt: skip
+    png = plots.similarity_plot(rows)
+    if png:
+        sec.blocks.append(Fig("similarity", png, "Similarity by regime, task set and comparison (95% CI)."))
+    out = [(r.get("regime", ""), _task(r.get("task", "")), r.get("comparison", ""), r.get("metric", ""),
+            "n/a" if r.get("mean") is None else f"{r['mean']:.3f}",
+            "n/a" if r.get("ci_low") is None or r.get("ci_high") is None else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
+            str(r.get("n", "n/a"))) for r in rows]  # fmt: skip
+    sec.blocks.append(Table(("regime", "task set", "comparison", "metric", "mean", "95% CI", "n"), out))
+    return sec
+
+
+def _verdict(summary: Mapping) -> Section:
+    sec = Section("verdict", "Verdict")
+    text = summary.get("verdict") or "No verdict: the summary has none."
+    for line in text.splitlines():
+        if line.strip():
+            sec.blocks.append(Para(line.strip(), "p" if not line.startswith(" ") else "cost"))
+    return sec
+
+
+def build_sections(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> list[Section]:
+    """The report as data, in reading order; the verdict is last."""
+    sections = [_facts(records, summary, meta), _success_by_arm(records), *_effects(summary), _equivalence(summary),
+                _dose(summary, records), _cate(summary), _cost_benefit(summary), _similarity(summary),
+                _verdict(summary)]  # fmt: skip
+    return [s for s in sections if s is not None]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _title(meta: Mapping, summary: Mapping) -> str:
+    model = meta.get("model") or summary.get("model")
+    return f"kvrelay causal audit — {model}" if model else "kvrelay causal audit"
+
+
+_TAG_START = re.compile(r"<(?=[A-Za-z/!?])")
+
+
+def _md(text: str) -> str:
+    """Markdown text that no renderer can take for an HTML tag (``p<0.001`` stays as it is)."""
+    return _TAG_START.sub("&lt;", str(text))
+
+
+def _md_cell(text: str) -> str:
+    return _md(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(title: str, sections: Sequence[Section]) -> str:
+    lines = [f"# {_md(title)}", ""]
+    for sec in sections:
+        lines += [f"## {_md(sec.title)}", ""]
+        for b in sec.blocks:
+            if isinstance(b, Para):
+                text = _md(b.text)
+                lines += [{"warn": f"> {text}", "note": f"_{text}_", "cost": f"- {text}"}.get(b.kind, text), ""]
+            elif isinstance(b, Table):
+                header = b.header if any(b.header) else ("field", "value")
+                lines.append("| " + " | ".join(_md_cell(h) for h in header) + " |")
+                lines.append("|" + "|".join("---" for _ in header) + "|")
+                lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
+                lines.append("")
+            else:
+                lines += [f"![{_md_cell(b.caption)}](figures/{b.name}.png)", "", f"_{b.caption}_", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0 auto;max-width:1200px;
+padding:1.5rem 2rem 4rem;color:#1d1d1f;line-height:1.45;background:#fff}
+h1{font-size:1.7rem;margin:.2rem 0 1rem}h2{font-size:1.25rem;margin:2.2rem 0 .6rem;padding-bottom:.25rem;
+border-bottom:2px solid #e5e5e5}
+.scroll{overflow-x:auto;margin:.5rem 0 1rem}
+table{border-collapse:collapse;font-size:.82rem;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #ddd;padding:.25rem .5rem;text-align:left;white-space:nowrap}
+th{background:#f3f4f6;position:sticky;top:0}tr:nth-child(even) td{background:#fafafa}
+td:first-child{font-weight:500}
+td.long{white-space:normal;min-width:12rem}
+table.facts td{white-space:normal;max-width:60rem;word-break:break-word}
+p.note{color:#555;font-size:.88rem}p.warn{background:#fff4e5;border-left:4px solid #f0a020;padding:.4rem .7rem}
+figure{margin:1rem 0 1.5rem}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:.85rem;color:#555;margin-top:.3rem}
+#verdict{background:#f0f7f4;border:1px solid #b7dccb;border-radius:6px;padding:.4rem 1.2rem 1rem;margin-top:2.5rem}
+#verdict h2{border:none}#verdict p{font-size:1rem}#verdict p.cost{margin-left:1.5rem;color:#333}
+details{margin:.4rem 0 1rem}summary{cursor:pointer;color:#0b5cad;font-size:.9rem}
+nav{font-size:.88rem;margin-bottom:1rem}nav a{margin-right:.9rem;color:#0b5cad;text-decoration:none}
+"""
+
+#: On load, count the images that decoded (naturalWidth > 0): a browser test reads these attributes.
+SCRIPT = """
+window.addEventListener("load", function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  document.body.dataset.imagesTotal = String(imgs.length);
+  document.body.dataset.imagesLoaded = String(imgs.filter(function (i) {
+    return i.complete && i.naturalWidth > 0; }).length);
+});
+"""
+
+#: Nothing but inline styles, inline scripts and data: images may load — the report needs no network.
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+
+
+def _cell(tag: str, text: str) -> str:
+    """A table cell; long text (notes) wraps instead of widening the table."""
+    cls = ' class="long"' if len(text) > 40 else ""
+    return f"<{tag}{cls}>{html.escape(text)}</{tag}>"
+
+
+def render_html(title: str, sections: Sequence[Section]) -> str:
+    e = html.escape
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
+           '<meta name="viewport" content="width=device-width, initial-scale=1">',
+           f"<title>{e(title)}</title><style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
+           "<nav>" + "".join(f'<a href="#{e(s.id)}">{e(s.title)}</a>' for s in sections) + "</nav>"]  # fmt: skip
+    for sec in sections:
+        out.append(f'<section id="{e(sec.id)}"><h2>{e(sec.title)}</h2>')
+        for b in sec.blocks:
+            if isinstance(b, Para):
+                out.append(f'<p class="{e(b.kind)}">{e(b.text)}</p>')
+            elif isinstance(b, Table):
+                facts = not any(b.header)
+                rows = []
+                for i, row in enumerate(b.rows):
+                    key = f' data-key="{e(b.keys[i])}"' if b.keys else ""
+                    tag = ("th", "td") if facts else ("td", "td")
+                    rows.append(f"<tr{key}>" + "".join(_cell(tag[j > 0], str(c)) for j, c in enumerate(row)) + "</tr>")
+                head = "" if facts else "<thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr></thead>"
+                cls = ' class="facts"' if facts else ""
+                table = f'<div class="scroll"><table{cls}>{head}<tbody>{"".join(rows)}</tbody></table></div>'
+                if b.collapsed:
+                    table = f"<details><summary>table: {len(b.rows)} rows</summary>{table}</details>"
+                out.append(table)
+            else:
+                data = base64.b64encode(b.png).decode("ascii")
+                out.append(f'<figure id="fig-{e(b.name)}"><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
+                           f"<figcaption>{e(b.caption)}</figcaption></figure>")  # fmt: skip
+        out.append("</section>")
+    out.append(f"<script>{SCRIPT}</script></body></html>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- public API
+
+
+def write_report(out_dir: Path | str, records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> dict[str, Path]:
+    """Write ``report.md``, ``report.html`` and ``figures/*.png`` into ``out_dir``.
+
+    ``records``: the trials (records.jsonl rows); ``summary``: :func:`~kvrelay.audit.stats.summarize`'s
+    dict (plus an optional ``similarity`` list); ``meta``: run facts (model, preset, arms, seeds,
+    tasks, elapsed_s, versions, command — any keys, all shown). Returns ``{relative path: Path}``.
+    """
+    if not isinstance(summary, Mapping) or "effects" not in summary:
+        raise ValueError("summary must be the dict kvrelay.audit.stats.summarize returns (no 'effects' key)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = build_sections(records, summary, meta or {})
+    title = _title(meta or {}, summary)
+    written: dict[str, Path] = {}
+    figs = [b for s in sections for b in s.blocks if isinstance(b, Fig)]
+    if figs:
+        (out_dir / "figures").mkdir(exist_ok=True)
+    for f in figs:
+        rel = f"figures/{f.name}.png"
+        (out_dir / rel).write_bytes(f.png)
+        written[rel] = out_dir / rel
+    for rel, text in (("report.md", render_markdown(title, sections)), ("report.html", render_html(title, sections))):
+        (out_dir / rel).write_text(text, encoding="utf-8")
+        written[rel] = out_dir / rel
+    return written
+
+
+def read_records(path: Path | str) -> list[dict]:
+    """Trials of a ``records.jsonl`` (blank lines skipped); errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no records.jsonl here — `kvrelay audit report DIR` rebuilds the report "
+                                "from the records.jsonl an audit run wrote into DIR")  # fmt: skip
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{i}: not valid JSON ({err.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object per line, got {type(rec).__name__}")
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no trial records (the file is empty)")
+    return records
+
+
+def rebuild(out_dir: Path | str, *, margin: float | None = None, n_boot: int | None = None,
+            seed: int | None = None) -> dict[str, Path]:  # fmt: skip
+    """Recompute ``summary.json`` and the report of ``out_dir`` from ``records.jsonl`` (+ ``run.json``).
+
+    Statistics settings (margin, n_boot, seed, confidence) default to those of an existing
+    summary.json, so a rebuild reproduces the run's numbers; keys summarize() cannot recompute
+    (``similarity``) come from ``similarity.json`` if the run wrote one, else from the old
+    summary.json. ``model`` comes from run.json. Returns
+    ``{relative path: Path}`` for summary.json, report.md, report.html and the figures.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"{out_dir}: not a directory (expected an audit output directory)")
+    records = read_records(out_dir / "records.jsonl")
+    meta: dict = {}
+    if (out_dir / "run.json").is_file():
+        meta = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError(f"{out_dir / 'run.json'}: expected a JSON object")
+    old: dict = {}
+    if (out_dir / "summary.json").is_file():
+        try:
+            old = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            old = {}  # a damaged summary is what a rebuild replaces
+    prev = old.get("settings") or {} if isinstance(old, dict) else {}
+    kwargs = {"margin": margin if margin is not None else prev.get("margin", 2.8),
+              "n_boot": n_boot if n_boot is not None else prev.get("n_boot", 2000),
+              "seed": seed if seed is not None else prev.get("seed", 0),
+              "confidence": prev.get("confidence", 0.95)}  # fmt: skip
+    try:
+        body = summarize(records, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"{out_dir / 'records.jsonl'}: {err}") from None
+    summary = {"model": meta.get("model", old.get("model") if isinstance(old, dict) else None), **body}
+    for key in CARRIED_KEYS:  # KEY.json written by the run wins over the replaced summary's copy
+        if (out_dir / f"{key}.json").is_file():
+            summary[key] = json.loads((out_dir / f"{key}.json").read_text(encoding="utf-8"))
+        elif isinstance(old, dict) and old.get(key) is not None:
+            summary[key] = old[key]
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return {"summary.json": out_dir / "summary.json", **write_report(out_dir, records, summary, meta)}
