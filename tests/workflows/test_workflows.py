@@ -163,3 +163,14 @@ class _Tok:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": list(range(len(text.split())))}
+
+
+def test_replace_quality_summary(tiny_by_arch):
+    from kvrelay.workflows.bench import replace_quality
+
+    lm = tiny_by_arch["llama"]
+    res = replace_quality(lm, ["review3"], 48, [0, 1], max_new_tokens=4)
+    s = res["summary"]
+    assert s["runs"] == 2 and 0 <= s["fraction_agent_outputs_differing"] <= 1
+    assert all(r["agents"] == 3 and 0 <= r["mean_agreement"] <= 1 for r in res["rows"])
+    assert {"text_exact_match", "kv_exact_match", "continue_exact_match"} <= set(s)

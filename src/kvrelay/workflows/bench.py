@@ -154,3 +154,52 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
                     "threads": torch.get_num_threads()},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def replace_quality(lm, names, context_tokens: int, seeds, *, model_name: str | None = None,
+                    include_continue: bool = True, max_new_tokens: int | None = None, progress=None) -> dict:
+    """How much the replace layout changes answers: per workload and seed, text vs kv (both replace).
+
+    In the replace layout both modes read the same tokens, but the relayed K/V never attended to the
+    receiver's own prefix, so outputs may differ. Reported: how often an agent's output differs,
+    how far outputs agree (common prefix / length), and exact match on the known fact for text,
+    kv (replace) and — with ``include_continue`` — the exact continue layout (where kv == text).
+    """
+    from kvrelay.workflows.workloads import build_workload
+
+    rows = []
+    for name in names:
+        for seed in seeds:
+            wl = build_workload(name, lm.tokenizer, context_tokens, seed=seed, layout="replace")
+            wf = wl.workflow if max_new_tokens is None else wl.workflow.with_tokens(max_new_tokens, max_new_tokens)
+            t = run_workflow(lm, wf, wl.context, mode="text")
+            k = run_workflow(lm, wf, wl.context, mode="kv")
+            agree = [_common_prefix(a.token_ids, b.token_ids) / max(len(a.token_ids), len(b.token_ids), 1)
+                     for a, b in zip(t.agents, k.agents, strict=True)]
+            row = {"workflow": name, "seed": seed, "context_tokens": t.context_tokens, "agents": len(agree),
+                   "agents_differing": sum(a.token_ids != b.token_ids for a, b in zip(t.agents, k.agents, strict=True)),
+                   "final_differs": t.agents[-1].token_ids != k.agents[-1].token_ids,
+                   "mean_agreement": sum(agree) / len(agree),
+                   "text_exact_match": wl.fact_found(t.agents[-1].text),
+                   "kv_exact_match": wl.fact_found(k.agents[-1].text)}
+            if include_continue:
+                c = run_workflow(lm, wf.with_layout("continue"), wl.context, mode="kv")
+                row["continue_exact_match"] = wl.fact_found(c.agents[-1].text)
+            rows.append(row)
+            if progress:
+                progress(f"{name} seed {seed}: {row}")
+    n = len(rows)
+    summary = {
+        "runs": n,
+        "fraction_agent_outputs_differing": sum(r["agents_differing"] for r in rows) / sum(r["agents"] for r in rows),
+        "fraction_final_answers_differing": sum(r["final_differs"] for r in rows) / n,
+        "mean_agreement": sum(r["mean_agreement"] for r in rows) / n,
+        "text_exact_match": sum(r["text_exact_match"] for r in rows) / n,
+        "kv_exact_match": sum(r["kv_exact_match"] for r in rows) / n,
+    }
+    if include_continue:
+        summary["continue_exact_match"] = sum(r["continue_exact_match"] for r in rows) / n
+    return {"model": model_name or getattr(lm, "name", "?"), "layout": "replace", "context_tokens": context_tokens,
+            "workflows": list(names), "seeds": list(seeds), "summary": summary, "rows": rows,
+            "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()}}

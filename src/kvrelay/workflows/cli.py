@@ -99,5 +99,39 @@ def pipeline(
             console.print(f"wrote {plot_pipeline(res, json_path.with_suffix('.png'))}")
 
 
+@app.command("replace-quality")
+def replace_quality_cmd(
+    workflows: str = typer.Option("review3,doc5,dialogue,hierarchy", help="comma-separated built-in workloads"),
+    model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name, local folder or transformers id"),
+    context_tokens: int = typer.Option(512, help="shared context size in tokens"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds (text offset and fact)"),
+    threads: int = typer.Option(None, help="torch intra-op threads"),
+    json_path: Path = typer.Option(None, "--json", help="write the result here"),
+) -> None:
+    """The replace layout's quality cost: outputs vs text mode and exact match on a known fact."""
+    from kvrelay.models.loader import load_model
+    from kvrelay.workflows.bench import replace_quality
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    lm = load_model(model)
+    res = replace_quality(lm, [w.strip() for w in workflows.split(",") if w.strip()], context_tokens,
+                          [int(s) for s in seeds.split(",")], model_name=model, progress=console.print)
+    t = Table(title=f"replace layout vs text — {model}, {context_tokens} context tokens")
+    for col in ("workflow", "seed", "agents differing", "agreement", "fact text", "fact kv", "fact continue"):
+        t.add_column(col)
+    for r in res["rows"]:
+        t.add_row(r["workflow"], str(r["seed"]), f"{r['agents_differing']}/{r['agents']}", f"{r['mean_agreement']:.2f}",
+                  str(r["text_exact_match"]), str(r["kv_exact_match"]), str(r.get("continue_exact_match", "")))
+    console.print(t)
+    console.print(res["summary"])
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(res, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
