@@ -174,3 +174,10 @@ def test_replace_quality_summary(tiny_by_arch):
     assert s["runs"] == 2 and 0 <= s["fraction_agent_outputs_differing"] <= 1
     assert all(r["agents"] == 3 and 0 <= r["mean_agreement"] <= 1 for r in res["rows"])
     assert {"text_exact_match", "kv_exact_match", "continue_exact_match"} <= set(s)
+
+
+def test_fact_first_keeps_graph_and_asks_fact():
+    wl = build_workload("hierarchy", _Tok(), 64).fact_first()
+    assert wl.workflow.agents[-1].prompt.startswith("First state the internal reference number")
+    assert "Finally" not in wl.workflow.agents[-1].prompt
+    assert wl.workflow.edges == build_workload("hierarchy", _Tok(), 64).workflow.edges

@@ -162,7 +162,8 @@ def replace_quality(lm, names, context_tokens: int, seeds, *, model_name: str | 
 
     In the replace layout both modes read the same tokens, but the relayed K/V never attended to the
     receiver's own prefix, so outputs may differ. Reported: how often an agent's output differs,
-    how far outputs agree (common prefix / length), and exact match on the known fact for text,
+    how far outputs agree (common prefix / length), and exact match on the known fact (asked first
+    in the last agent's turn, so it fits in a short answer) for text,
     kv (replace) and — with ``include_continue`` — the exact continue layout (where kv == text).
     """
     from kvrelay.workflows.workloads import build_workload
@@ -170,7 +171,7 @@ def replace_quality(lm, names, context_tokens: int, seeds, *, model_name: str | 
     rows = []
     for name in names:
         for seed in seeds:
-            wl = build_workload(name, lm.tokenizer, context_tokens, seed=seed, layout="replace")
+            wl = build_workload(name, lm.tokenizer, context_tokens, seed=seed, layout="replace").fact_first()
             wf = wl.workflow if max_new_tokens is None else wl.workflow.with_tokens(max_new_tokens, max_new_tokens)
             t = run_workflow(lm, wf, wl.context, mode="text")
             k = run_workflow(lm, wf, wl.context, mode="kv")

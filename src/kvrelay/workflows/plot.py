@@ -33,7 +33,9 @@ def plot_pipeline(result: dict, path: str | Path) -> Path:
     ax.set_title(f"{result['workflow']} · {result.get('model', '')} · {result.get('context_tokens', '?')} ctx tokens"
                  f" · {result.get('layout', '')}\ntext {result['text_s']:.1f}s, kv {result['kv_s']:.1f}s, "
                  f"speedup {result['speedup']:.2f}x (ideal {result['ideal_speedup']:.2f}x)", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    top = max(max(r[f"{m}_prefill_s"] + r[f"{m}_decode_s"] + r[f"{m}_relay_s"] for r in rows) for m in ("text", "kv"))
+    ax.set_ylim(0, top * 1.35)  # headroom for the legend
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ yardstick for the replace layout's quality cost.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvrelay import corpus
 from kvrelay.workflows.spec import AgentSpec, Workflow, chain, hierarchy
@@ -35,6 +35,13 @@ class Workload:
     @property
     def name(self) -> str:
         return self.workflow.name
+
+    def fact_first(self) -> Workload:
+        """The last agent asked for the fact *before* its task, so short answers still reach it."""
+        last = self.workflow.agents[-1]
+        task = last.prompt.replace(FACT_QUESTION, "").strip()
+        asked = replace(last, prompt=f"First state the internal reference number given in the document. Then: {task}")
+        return replace(self, workflow=replace(self.workflow, agents=(*self.workflow.agents[:-1], asked)))
 
     def fact_found(self, answer: str) -> bool:
         """Exact match: the reference number appears verbatim in the answer."""
