@@ -181,3 +181,12 @@ def test_fact_first_keeps_graph_and_asks_fact():
     assert wl.workflow.agents[-1].prompt.startswith("First state the internal reference number")
     assert "Finally" not in wl.workflow.agents[-1].prompt
     assert wl.workflow.edges == build_workload("hierarchy", _Tok(), 64).workflow.edges
+
+
+def test_fan_in_from_roots_reencodes_and_says_so(tiny_by_arch):
+    lm = tiny_by_arch["qwen2"]
+    a, b, c = spec("a", 3, 1), spec("b", 3, 1), spec("c", 3, 1)
+    wf = Workflow("roots", (a, b, c), (Edge("a", "c", "kv+text"), Edge("b", "c", "kv+text")))
+    kv, text = run_workflow(lm, wf, CONTEXT, mode="kv"), run_workflow(lm, wf, CONTEXT, mode="text")
+    assert kv.agents[-1].channel == "kv+text:no-cache" and kv.agents[-1].relayed_tokens == 0
+    assert [r.token_ids for r in text.agents] == [r.token_ids for r in kv.agents]

@@ -30,7 +30,7 @@ MODES = ("text", "kv")
 @dataclass(frozen=True, slots=True)
 class AgentRecord:
     name: str
-    channel: str  # how its input arrived: root | text | kv | kv+text
+    channel: str  # how its input arrived: root | text | kv | kv+text (| kv+text:no-cache)
     input_tokens: int  # its whole input sequence (context + its own turn)
     prefill_tokens: int  # tokens it pushed through the model before the first answer token
     relayed_tokens: int  # tokens that arrived as a cache
@@ -152,6 +152,8 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
             grand = plan.incoming(ins[0].src)
             channel, base = ins[0].channel, senders[0].base
             cache = done[grand[0].src].payload if (channel == "kv+text" and grand) else None
+            if channel == "kv+text" and cache is None:
+                channel = "kv+text:no-cache"  # roots share no cache: the shared context is re-encoded
         want_payload = _needs_payload(plan, spec.name)
         arg = cache if cache is not None else torch.tensor(base, dtype=torch.int64)
         t1 = time.perf_counter()
