@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvrelay.relay.agent import Agent
-from kvrelay.workflows.bench import bench_pipeline
+from kvrelay.workflows.bench import bench_pipeline, results_markdown
 from kvrelay.workflows.plot import plot_pipeline
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.spec import AgentSpec, Edge, Workflow, chain, hierarchy
@@ -145,6 +145,7 @@ def test_bench_json_has_contract_fields(tiny_by_arch, tmp_path):
     path.write_text(json.dumps(res))
     png = plot_pipeline(json.loads(path.read_text()), tmp_path / "p.png")
     assert png.stat().st_size > 1000
+    assert "| hierarchy | continue |" in results_markdown([res])
 
 
 def test_workload_context_is_real_text_near_budget():

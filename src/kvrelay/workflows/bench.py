@@ -204,3 +204,13 @@ def replace_quality(lm, names, context_tokens: int, seeds, *, model_name: str | 
             "workflows": list(names), "seeds": list(seeds), "summary": summary, "rows": rows,
             "machine": {"platform": platform.platform(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()}}
+
+
+def results_markdown(results: list[dict]) -> str:
+    """A markdown table of ``bench_pipeline`` results (for docs), one row per result."""
+    head = ("| workflow | layout | context tokens | agents | text s | kv s | speedup | ideal | of ideal "
+            "| identical | min tokens | command |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = [f"| {r['workflow']} | {r['layout']} | {r['context_tokens']} | {r['agents']} | {r['text_s']:.1f} "
+            f"| {r['kv_s']:.1f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['speedup_vs_ideal']:.2f} "
+            f"| {r['outputs_identical']} | {r['min_decode_tokens']} | `{r.get('command', '')}` |" for r in results]
+    return head + "\n".join(rows) + "\n"
