@@ -50,7 +50,7 @@ class Arm:
 
     @property
     def stochastic(self) -> bool:
-        """Depends on the seed (beyond the mismatch partner): random draws."""
+        """Depends on the seed: random draws."""
         return self.kind in ("kv_random", "kv_noise")
 
 

@@ -111,7 +111,7 @@ def audit(
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     res = finalize(out, cfg.model)
     _print_headline(res["summary"])
-    console.print(f"audit took {elapsed / 60:.1f} min; report: {res['paths'].get('html', out / 'report.html')}")
+    console.print(f"audit took {elapsed / 60:.1f} min; report: {out / 'report.html'}")
 
 
 @app.command("report")
@@ -119,4 +119,4 @@ def report(out: Path = typer.Argument(..., help="an audit output folder")):
     """Rebuild summary.json, report.md and report.html from OUT/records.jsonl."""
     res = finalize(out)
     _print_headline(res["summary"])
-    console.print(f"report: {res['paths'].get('html', out / 'report.html')}")
+    console.print(f"report: {out / 'report.html'}")

@@ -12,7 +12,7 @@ PRESETS: dict[str, AuditConfig] = {
     # Private regime (generated records + SQuAD) next to the shared regime (ARC-Challenge).
     "quick": AuditConfig(
         model="qwen2.5-coder-0.5b",
-        tasks=("gen", "squad", "arc_challenge"),
+        tasks=("gen_easy", "squad", "arc_challenge"),
         arms=CONTROL_ARMS + ("kv_noise:1.0",),
         seeds=(0, 1),
         limit=32,
@@ -24,7 +24,7 @@ PRESETS: dict[str, AuditConfig] = {
     # The paper's protocol: >= 500 tasks per cell, 5 seeds, the full arm set with dose-response dials.
     "full": AuditConfig(
         model="qwen2.5-coder-0.5b",
-        tasks=("gen", "squad", "arc_challenge"),
+        tasks=("gen_grid", "squad", "arc_challenge"),
         arms=CONTROL_ARMS + ("text_message", "kv_noise:0.1", "kv_noise:0.5", "kv_noise:1.0", "kv_layers:first:0.5",
                              "kv_layers:last:0.5", "kv_tokens:last:0.5", "kv_codec:int8", "kv_codec:int4",
                              "kv_codec:evict:0.2"),
@@ -38,7 +38,7 @@ PRESETS: dict[str, AuditConfig] = {
     # A seconds-long smoke run (tests, CI, a first look at a new model).
     "smoke": AuditConfig(
         model="smollm2-135m",
-        tasks=("gen", "arc_challenge"),
+        tasks=("gen_easy", "arc_challenge"),
         arms=("none", "text_full", "kv", "kv_mismatched", "kv_zeroed"),
         seeds=(0,),
         limit=4,

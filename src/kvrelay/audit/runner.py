@@ -3,13 +3,13 @@
 Protocol (stated once):
 
 * The sender reads each task's context once (one prefill per task); every cache arm starts
-  from a copy of that payload. The mismatched payload of task ``i`` under seed ``s`` is built
-  from the task ``s + 1`` places further in the same task set (a fixed shift), cut or extended
-  with real context to *exactly* the matched payload's length.
-* Decoding is greedy, so an arm whose input does not depend on the seed (``none``,
-  ``text_full``, ``text_message``, ``kv``, ``kv_zeroed``, codecs, token subsets) gives the same
-  answer under every seed: it is computed once per task and recorded for each seed. Seeds drive
-  the random draws (``kv_random``, ``kv_noise``), the mismatch partner, and the arm order.
+  from a copy of that payload. The mismatched payload of task ``i`` is built from task
+  ``i + 1`` of the same set (a fixed shift, as in the paper), cut or extended with further real
+  contexts to *exactly* the matched payload's length.
+* Decoding is greedy, so an arm whose input does not depend on the seed (everything but
+  ``kv_random`` and ``kv_noise``) gives the same answer under every seed: it is computed once
+  per task and recorded for each seed. Seeds drive the random draws and the arm order; the
+  statistics bootstrap over tasks (clusters), so repeated seeds never inflate the evidence.
 * Tasks run in batches (one padded forward per arm); arm order is rotated per batch and seed
   (counterbalanced). Latencies of a batched trial are the batch's time divided by its rows, the
   same accounting for every arm.
@@ -25,7 +25,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ SENDER_ROLE = "You are the reader. Study the material below carefully; a colleag
 RECEIVER_ROLE = "You are the answerer. Answer briefly and exactly."
 MESSAGE_PROMPT = ("Write a short note for a colleague who must answer the question below without seeing the "
                   "material. Include every fact they need.\n\n{question}")
-MAX_NEW = {"qa_success": 12, "exact_match": 12, "token_f1": 12, "contains": 12, "choice_letter": 6,
+MAX_NEW = {"qa_success": 16, "exact_match": 16, "token_f1": 16, "contains": 16, "choice_letter": 6,
            "yes_no": 4, "final_number": 160}
 
 
@@ -74,7 +74,7 @@ class _TaskState:
     index: int
     payload: KVPayload
     sender_s: float
-    mismatched: dict[int, KVPayload] = field(default_factory=dict)
+    mismatched: KVPayload | None = None
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
@@ -108,14 +108,14 @@ class AuditRunner:
         head = self.sender.encode(self.sender.fmt.system(self.sender.role)) + self.sender.encode(user_head)
         return head, self.sender.encode(user_tail)
 
-    def _mismatched(self, tasks: list[Task], i: int, seed: int, length: int) -> KVPayload:
-        """Another task's reading, cut/extended to exactly ``length`` tokens (same wrapper as the sender's)."""
+    def _mismatched(self, tasks: list[Task], i: int, length: int) -> KVPayload:
+        """Task ``i + 1``'s reading (then ``i + 2``, ...), cut to exactly ``length`` tokens, same wrapper."""
         head, tail = self._head_tail()
         want = length - len(head) - len(tail)
         body: list[int] = []
         j = i
         while len(body) < want:
-            j = (j + seed + 1) % len(tasks)
+            j = (j + 1) % len(tasks)
             if j == i:
                 j = (j + 1) % len(tasks)
             body += self.sender.encode(tasks[j].context + "\n\n")
@@ -140,7 +140,7 @@ class AuditRunner:
             return [n.text for n in notes], [len(n.text.encode()) for n in notes], spent
         out, sizes = [], []
         for s in states:
-            p, nbytes = build_kv(arm, s.payload, s.mismatched.get(seed), gen, model=self.lm.model)
+            p, nbytes = build_kv(arm, s.payload, s.mismatched, gen, model=self.lm.model)
             out.append(p)
             sizes.append(nbytes)
         return out, sizes, 0.0
@@ -181,16 +181,16 @@ class AuditRunner:
                 t0 = time.perf_counter()
                 p = self.sender.read(tasks[i].context)
                 states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
+            if any(a.needs_mismatch for a in self.arms):
+                for st in states:
+                    st.mismatched = self._mismatched(tasks, st.index, st.payload.num_tokens)
             for k, seed in enumerate(self.cfg.seeds):
-                if any(a.needs_mismatch for a in self.arms):
-                    for st in states:
-                        st.mismatched[seed] = self._mismatched(tasks, st.index, seed, st.payload.num_tokens)
                 rot = (b0 // bs + k) % len(self.arms)
                 for arm in self.arms[rot:] + self.arms[:rot]:
                     need = [st for st in states if (st.task.id, arm.name, seed) in todo]
                     if not need:
                         continue
-                    reusable = not (arm.stochastic or arm.needs_mismatch)
+                    reusable = not arm.stochastic
                     if reusable and all((st.task.id, arm.name) in self._memo for st in need):
                         rows = [dict(self._memo[(st.task.id, arm.name)], seed=seed, reused=True) for st in need]
                     else:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.audit.tasks.generated import generate
+from kvrelay.audit.tasks.generated import generate, grid
 from kvrelay.audit.tasks.scoring import choice_letters, contains, normalize
 from kvrelay.audit.tasks.task import Task, approx_tokens
 from kvrelay.errors import KVRelayError
@@ -298,6 +298,11 @@ def _load_all(name: str) -> tuple[Task, ...]:
 
 LOADERS: dict[str, Callable[[], list[Task]]] = {name: spec.load for name, spec in SPECS.items()}
 LOADERS["gen"] = lambda: generate(GEN_POOL, seed=0)
+# No same-holder distractors: the paper's private regime (only the relayed context holds the answer).
+LOADERS["gen_easy"] = lambda: generate(GEN_POOL, seed=0, name="gen_easy", n_distractors=0)
+# A factorial design over the dials, for CATE: distractors × document length × hops (12 cells).
+LOADERS["gen_grid"] = lambda: grid(GEN_POOL // 12, seed=0, name="gen_grid", n_distractors=[0, 2, 4],
+                                   doc_tokens=[128, 512], hops=[0, 1])
 
 
 def available() -> list[str]:

@@ -82,15 +82,18 @@ class Dials:
         return f"f{self.n_facts}-d{self.n_distractors}-h{self.hops}-t{self.doc_tokens}-p{pos}"
 
 
-def generate(n: int, seed: int = 0, **dials) -> list[Task]:
-    """``n`` tasks with the given dials (see ``Dials`` for names and defaults); deterministic in ``seed``."""
+def generate(n: int, seed: int = 0, *, name: str = TASK_SET, **dials) -> list[Task]:
+    """``n`` tasks with the given dials (see ``Dials`` for names and defaults); deterministic in ``seed``.
+
+    ``name`` is the task-set name the tasks carry (and prefix their ids with).
+    """
     if n < 0:
         raise ValueError(f"n must be ≥ 0, got {n}")
     d = Dials(**dials)
-    return [_make_task(d, seed, i) for i in range(n)]
+    return [_make_task(d, seed, i, name) for i in range(n)]
 
 
-def grid(n_per_cell: int, seed: int = 0, **dial_values) -> list[Task]:
+def grid(n_per_cell: int, seed: int = 0, *, name: str = TASK_SET, **dial_values) -> list[Task]:
     """A full factorial design: ``n_per_cell`` tasks for every combination of the given dial values.
 
     Each dial takes a scalar or an iterable of values, e.g. ``grid(20, n_facts=[2, 8], hops=[0, 1, 2])``.
@@ -99,7 +102,7 @@ def grid(n_per_cell: int, seed: int = 0, **dial_values) -> list[Task]:
     levels = [_as_levels(dial_values[k]) for k in names]
     tasks: list[Task] = []
     for combo in itertools.product(*levels):
-        tasks += generate(n_per_cell, seed, **dict(zip(names, combo, strict=True)))
+        tasks += generate(n_per_cell, seed, name=name, **dict(zip(names, combo, strict=True)))
     return tasks
 
 
@@ -113,7 +116,7 @@ def _filler(rng: random.Random) -> str:
     return f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
 
 
-def _make_task(d: Dials, seed: int, index: int) -> Task:
+def _make_task(d: Dials, seed: int, index: int, name: str = TASK_SET) -> Task:
     # A string seed is hashed with SHA-512 by ``random``: stable across runs and PYTHONHASHSEED.
     rng = random.Random(f"kvrelay-gen|{seed}|{d.key}|{index}")
     holders = rng.sample(ENTITIES, d.n_facts + d.hops)
@@ -149,8 +152,8 @@ def _make_task(d: Dials, seed: int, index: int) -> Task:
     covariates = asdict(d) | {"answer_position": round(position, 4), "answer_position_actual": round(actual, 4),
                               "doc_words": len(context.split())}
     return Task(
-        id=f"{TASK_SET}/{seed}/{d.key}/{index}",
-        task=TASK_SET,
+        id=f"{name}/{seed}/{d.key}/{index}",
+        task=name,
         regime="private",
         context=context,
         prompt=f"Question: What is the {QUERIED} for the {chain[0]}?\nAnswer with the number only.",
