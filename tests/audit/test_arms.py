@@ -1,0 +1,125 @@
+"""Every audit arm does what it claims, on tiny random models (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvrelay.audit.arms import build_kv, layer_subset, parse_arm
+from kvrelay.audit.runner import AuditConfig, AuditRunner
+from kvrelay.audit.tasks import generate
+from kvrelay.kv.transforms import layer_rms
+from kvrelay.relay.agent import Agent
+from tests.conftest import random_ids
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from kvrelay.models.tiny import tiny_lm
+
+    return tiny_lm("qwen2")
+
+
+def payloads(lm, n=40):
+    a = Agent(lm, "sender")
+    return a.prefill(random_ids(n, 1)), a.prefill(random_ids(n, 2))
+
+
+def test_parse_arm_names_and_errors():
+    assert parse_arm("kv_noise:0.5").spec == "0.5"
+    assert parse_arm("kv_codec:evict:0.2+int8").kind == "kv_codec"
+    for bad in ("kv_noise", "kv_tokens:middle:0.5", "kv_tokens:first:1.5", "kv_codec:zip", "telepathy", "kv:1"):
+        with pytest.raises(ValueError):
+            parse_arm(bad)
+    assert layer_subset("first:0.5", 24) == list(range(12))
+    assert layer_subset("last:0.25", 24) == list(range(18, 24))
+    assert layer_subset("2-4", 24) == [2, 3, 4]
+
+
+def test_zeroed_random_noise(qwen):
+    p, _ = payloads(qwen)
+    g = torch.Generator().manual_seed(0)
+    z, _ = build_kv(parse_arm("kv_zeroed"), p, None, g)
+    assert all(bool((k == 0).all()) and bool((v == 0).all()) for k, v in zip(z.keys, z.values, strict=True))
+    assert torch.equal(z.token_ids, p.token_ids)  # same length and tokens: only the content is gone
+
+    r, _ = build_kv(parse_arm("kv_random"), p, None, g)
+    for real, fake in zip(p.keys + p.values, r.keys + r.values, strict=True):
+        assert not torch.equal(real, fake)
+        assert abs(fake.mean().item() - real.mean().item()) < 0.1 * real.std().item() + 1e-3
+        assert fake.std().item() == pytest.approx(real.std().item(), rel=0.1)
+
+    for sigma in (0.1, 0.5, 2.0):
+        n, _ = build_kv(parse_arm(f"kv_noise:{sigma}"), p, None, torch.Generator().manual_seed(1))
+        for real, noisy in zip(p.keys + p.values, n.keys + n.values, strict=True):
+            valid = torch.ones(1, 1, real.shape[2], 1, dtype=torch.bool)
+            ratio = layer_rms(noisy - real, valid) / layer_rms(real, valid)
+            assert ratio == pytest.approx(sigma, rel=0.15)
+
+
+def test_layers_mix_matched_and_mismatched(qwen):
+    p, m = payloads(qwen)
+    mixed, nbytes = build_kv(parse_arm("kv_layers:first:0.5"), p, m, torch.Generator())
+    half = p.meta.num_model_layers // 2
+    for i in range(p.meta.num_model_layers):
+        src = p if i < half else m
+        assert torch.equal(mixed.keys[i], src.keys[i]) and torch.equal(mixed.values[i], src.values[i])
+    assert nbytes < p.nbytes
+
+
+def test_token_subsets_keep_position_cursor(qwen):
+    p, _ = payloads(qwen)
+    recv = Agent(qwen, "receiver", max_new_tokens=4)
+    for spec, kept in (("first:0.25", 11), ("last:0.25", 10)):
+        sub, _ = build_kv(parse_arm(f"kv_tokens:{spec}"), p, None, torch.Generator())
+        assert sub.num_tokens == kept
+        assert int(sub.next_positions[0]) == int(p.next_positions[0])  # the receiver continues at 40
+        assert len(recv.respond("what", sub).token_ids) > 0
+    top, _ = build_kv(parse_arm("kv_tokens:topk:0.25"), p, None, torch.Generator(), model=qwen.model)
+    assert top.num_tokens < p.num_tokens and int(top.next_positions[0]) == 40
+
+
+def test_codec_arm_reports_compressed_bytes(qwen):
+    p, _ = payloads(qwen)
+    q, nbytes = build_kv(parse_arm("kv_codec:int8"), p, None, torch.Generator())
+    assert nbytes < 0.4 * p.nbytes
+    assert q.meta.codec == "raw" and q.keys[0].shape == p.keys[0].shape
+    err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(q.keys, p.keys, strict=True))
+    assert err < 0.02
+
+
+def test_mismatched_is_another_task_with_equal_length(qwen, tmp_path):
+    tasks = generate(4, seed=3, n_distractors=0, doc_tokens=128)
+    runner = AuditRunner(AuditConfig(model="tiny", tasks=("gen",), arms=("kv",)), qwen, tmp_path)
+    mine = runner.sender.read(tasks[0].context)
+    other = runner._mismatched(tasks, 0, mine.num_tokens)
+    assert other.num_tokens == mine.num_tokens
+    assert not torch.equal(other.token_ids, mine.token_ids)
+    head, tail = runner._head_tail()
+    body = other.token_ids[0, len(head):len(other.token_ids[0]) - len(tail)].tolist()
+    nxt = runner.sender.encode(tasks[1].context)
+    assert body[:20] == nxt[:20]  # it is task 1's reading, not noise
+
+
+def test_runner_records_resume_and_reuse(qwen, tmp_path):
+    cfg = AuditConfig(model="tiny", tasks=("gen_easy",), arms=("none", "kv", "kv_mismatched", "kv_random"),
+                      seeds=(0, 1), limit=3, batch_size=2)
+    AuditRunner(cfg, qwen, tmp_path).run()
+    rows = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 4 * 2
+    keys = {(r["task_id"], r["arm"], r["seed"]) for r in rows}
+    assert len(keys) == len(rows)
+    for r in rows:
+        for f in ("task_id", "regime", "arm", "seed", "covariates", "answer", "score", "prefill_tokens",
+                  "latency_s", "relay_bytes", "sender_s", "relay_s", "ttft_s", "versions"):
+            assert f in r
+    kv = [r for r in rows if r["arm"] == "kv"]
+    assert all(r["relay_bytes"] > 0 and r["relayed_tokens"] > 0 for r in kv)
+    assert sum(bool(r.get("reused")) for r in kv) == 3  # seed 1 reuses seed 0's greedy answer
+    assert sum(bool(r.get("reused")) for r in rows if r["arm"] == "kv_random") == 0  # random arms re-draw
+    none = [r for r in rows if r["arm"] == "none"]
+    assert all(r["relay_bytes"] == 0 and r["relayed_tokens"] == 0 for r in none)
+    AuditRunner(cfg, qwen, tmp_path).run()  # resume: nothing left to do, nothing duplicated
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(rows)
