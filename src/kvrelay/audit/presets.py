@@ -1,4 +1,8 @@
-"""Named audit configurations. ``quick`` fits in 15 minutes on 2 CPU cores; ``full`` is paper-scale."""
+"""Named audit configurations.
+
+``quick`` fits in 15 minutes on 2 CPU cores; ``full`` is the paper-scale protocol (hours, resumable);
+``dose`` and ``codecs`` are the ablation and compression studies; ``smoke`` is seconds, for tests.
+"""
 
 from __future__ import annotations
 
@@ -21,19 +25,43 @@ PRESETS: dict[str, AuditConfig] = {
         n_boot=2000,
         preset="quick",
     ),
-    # The paper's protocol: >= 500 tasks per cell, 5 seeds, the full arm set with dose-response dials.
+    # The paper's protocol: >= 500 tasks per cell, 5 seeds, the paper's controls. Hours on 2 CPU cores
+    # (resumable: re-run the same command to continue).
     "full": AuditConfig(
         model="qwen2.5-coder-0.5b",
-        tasks=("gen_grid", "squad", "arc_challenge"),
-        arms=CONTROL_ARMS + ("text_message", "kv_noise:0.1", "kv_noise:0.5", "kv_noise:1.0", "kv_layers:first:0.5",
-                             "kv_layers:last:0.5", "kv_tokens:last:0.5", "kv_codec:int8", "kv_codec:int4",
-                             "kv_codec:evict:0.2"),
+        tasks=("arc_challenge", "gen_grid", "squad"),
+        arms=CONTROL_ARMS,
         seeds=(0, 1, 2, 3, 4),
         limit=500,
         batch_size=8,
         similarity_sample=16,
         n_boot=2000,
         preset="full",
+    ),
+    # Dose-response and ablations (seed 004 §3.2 step 4): noise, layer and token subsets, text message.
+    "dose": AuditConfig(
+        model="qwen2.5-coder-0.5b",
+        tasks=("gen_easy", "arc_challenge"),
+        arms=("none", "text_message", "kv", "kv_mismatched", "kv_noise:0.1", "kv_noise:0.5", "kv_noise:1.0",
+              "kv_noise:2.0", "kv_layers:first:0.5", "kv_layers:last:0.5", "kv_tokens:first:0.5",
+              "kv_tokens:last:0.5", "kv_tokens:topk:0.5"),
+        seeds=(0, 1),
+        limit=48,
+        batch_size=8,
+        similarity_sample=0,
+        preset="dose",
+    ),
+    # What each codec keeps of full relay's accuracy (issue: int8, int4, eviction at 20%).
+    "codecs": AuditConfig(
+        model="qwen2.5-coder-0.5b",
+        tasks=("gen_easy", "squad"),
+        arms=("none", "kv", "kv_mismatched", "kv_codec:fp16", "kv_codec:int8", "kv_codec:int4",
+              "kv_codec:evict:0.2", "kv_codec:evict-obf:0.2", "kv_codec:evict:0.2+int8"),
+        seeds=(0,),
+        limit=48,
+        batch_size=8,
+        similarity_sample=0,
+        preset="codecs",
     ),
     # A seconds-long smoke run (tests, CI, a first look at a new model).
     "smoke": AuditConfig(

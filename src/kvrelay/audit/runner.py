@@ -161,7 +161,6 @@ class AuditRunner:
                 "relay_bytes": nbytes, "sender_s": s.sender_s + sender_extra / B, "relay_s": relay_s / B,
                 "ttft_s": r.ttft_s / B, "decode_s": r.decode_s / B,
                 "latency_s": (relay_s + sender_extra + r.ttft_s + r.decode_s) / B, "batch": B,
-                "versions": self.versions,
             })
         return rows
 
@@ -171,8 +170,10 @@ class AuditRunner:
             raise ValueError(f"task set {name!r} has {len(tasks)} task(s); the mismatched arm needs at least 2")
         max_new = MAX_NEW.get(tasks[0].scorer, 16)
         bs = self.cfg.batch_size
+        # Batch tasks of similar length together (less padding); mismatch partners keep the set's order.
+        order = sorted(range(len(tasks)), key=lambda i: (len(tasks[i].context) + len(tasks[i].prompt), i))
         for b0 in range(0, len(tasks), bs):
-            batch = list(range(b0, min(b0 + bs, len(tasks))))
+            batch = order[b0:b0 + bs]
             todo = {(tasks[i].id, a.name, s) for i in batch for a in self.arms for s in self.cfg.seeds} - done
             if not todo:
                 continue
@@ -208,7 +209,7 @@ class AuditRunner:
 
     def run(self) -> Path:
         done = _records_done(self.records_path)
-        (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        (self.out / "config.json").write_text(json.dumps({**asdict(self.cfg), "versions": self.versions}, indent=2) + "\n")
         with self.records_path.open("a") as f:
             def sink(row: dict) -> None:
                 f.write(json.dumps(row) + "\n")
