@@ -121,14 +121,16 @@ class Agent:
         m, ident = p.meta, self.identity
         for fieldname, mine, theirs in (("format", FORMAT, m.format),
                                         ("model_fingerprint", ident.fingerprint, m.model_fingerprint),
-                                        ("tokenizer_hash", ident.tokenizer_hash, m.tokenizer_hash),
-                                        ("layer_types", ident.layer_types, tuple(m.layer_types)),
-                                        ("sliding_window", ident.sliding_window, m.sliding_window)):
+                                        ("tokenizer_hash", ident.tokenizer_hash, m.tokenizer_hash)):
             if mine != theirs:
                 raise IncompatiblePayload(fieldname, mine, theirs)
         if not m.complete:
             raise IncompatiblePayload("layer_indices", tuple(range(ident.num_layers)), m.layer_indices,
                                       "a receiver needs every layer")
+        for fieldname, mine, theirs in (("layer_types", ident.layer_types, tuple(m.layer_types)),
+                                        ("sliding_window", ident.sliding_window, m.sliding_window)):
+            if mine != theirs:
+                raise IncompatiblePayload(fieldname, mine, theirs)
         if m.codec != "raw":
             raise IncompatiblePayload("codec", "raw", m.codec, "decode the payload with its codec first")
         if p.keys[0].shape[1] != ident.num_kv_heads or p.keys[0].shape[3] != ident.head_dim:
