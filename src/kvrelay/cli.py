@@ -112,6 +112,7 @@ def bench_relay_cmd(
 _mount(app, "kvrelay.models.cli", "models", "The model zoo: list, pull, info.")
 _mount(app, "kvrelay.audit.cli", "audit", "Causal audit of relayed caches: effects with CIs, report.")
 _mount(bench_app, "kvrelay.workflows.cli", None)
+_mount(bench_app, "kvrelay.relay.transfer_cli", None)
 
 
 def main() -> None:  # pragma: no cover - console entry
