@@ -18,12 +18,17 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
+# The main job: one relay (kv vs text), the relay and pipeline benchmarks, a short audit with its report.
 demo: setup
 	$(BIN)/kvrelay models pull $(MODEL)
 	$(BIN)/kvrelay relay --model $(MODEL) --context docs/demo/context.md \
 		--question "Which function in the report has the bug, and what is the fix? Answer in one sentence." \
 		--json $(OUT)/relay.json
 	$(BIN)/kvrelay bench relay --model $(MODEL) --context-tokens 512,2048 --repeats 3 --json $(OUT)/bench_relay.json
+	$(BIN)/kvrelay bench pipeline --workflow review3 --model $(MODEL) --context-tokens 1024 --repeats 1 \
+		--json $(OUT)/pipeline_review3.json
+	$(BIN)/kvrelay audit --preset quick --model $(MODEL) --limit 12 --out $(OUT)/audit
+	@echo "audit report: $(abspath $(OUT)/audit/report.html)"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
