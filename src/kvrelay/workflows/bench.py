@@ -150,6 +150,8 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
                  "kv_exact_match": workload.fact_found(last_kv)},
         "source": workload.source,
         "runs": order_log,
+        "raw": {mode: [[{"agent": a.name, "prefill_s": a.prefill_s, "decode_s": a.decode_s, "relay_s": a.relay_s,
+                         "wall_s": a.wall_s} for a in t.agents] for t in rs] for mode, rs in runs.items()},
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
