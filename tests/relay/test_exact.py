@@ -124,3 +124,14 @@ def test_text_batch_matches_each_alone(tiny):
         assert got.token_ids == agent.respond(prompt, c, max_new_tokens=8).token_ids
     with pytest.raises(ValueError, match="mixes"):
         agent.respond_batch(["a", "b"], [Agent(tiny, "s").prefill(ctxs[0]), ctxs[1]])
+
+
+def test_relaying_leaves_the_payload_untouched(tiny):
+    """Zero-copy hand-over: generation after to_cache never writes into the payload's tensors."""
+    sender, receiver = Agent(tiny, "s"), Agent(tiny, "r", max_new_tokens=6)
+    p = sender.prefill(random_ids(15, 7))
+    before = [k.clone() for k in p.keys] + [v.clone() for v in p.values]
+    first = receiver.respond("what is the code", p)
+    after = list(p.keys) + list(p.values)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert receiver.respond("what is the code", p).token_ids == first.token_ids

@@ -2,8 +2,13 @@
 
 ``DynamicCache(config=...)`` gives sliding-window layers their own class, which keeps the last
 ``window - 1`` tokens and counts every token it has seen (``cumulative_length``) to size masks.
-A payload's sliding layers hold exactly that tail, so the conversion is a copy of tensors plus
+A payload's sliding layers hold exactly that tail, so the conversion is a hand-over of tensors plus
 that count — no model internals are touched, only the cache object's documented state.
+
+No copies: a cache layer's ``update`` builds *new* tensors (``torch.cat``) and never writes into
+the ones it was given, so a payload handed to ``to_cache`` stays intact while the cache grows,
+and a snapshot taken by ``from_cache`` shares the cache's tensors (the cache object itself is
+mutated by generation, so take snapshots of caches you are done with, or pass ``copy=True``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from kvrelay.kv.payload import KVPayload, PayloadMeta
 
 
 def to_cache(p: KVPayload, config) -> DynamicCache:
-    """A fresh ``DynamicCache`` holding a copy of ``p`` (generation mutates caches in place)."""
+    """A fresh ``DynamicCache`` over ``p``'s tensors (zero-copy; ``p`` is never written to)."""
     if not p.meta.complete:
         raise ValueError(
             f"payload holds layers {list(p.meta.layer_indices)} of {p.meta.num_model_layers}; "
@@ -30,16 +35,16 @@ def to_cache(p: KVPayload, config) -> DynamicCache:
         if sliding != (p.meta.layer_types[i] == "sliding_attention"):
             raise ValueError(f"layer {i}: payload says {p.meta.layer_types[i]}, model cache is_sliding={sliding}")
         layer.lazy_initialization(k, v)
-        layer.keys = k.clone()  # (B, H, T_l, D)
-        layer.values = v.clone()
+        layer.keys = k  # (B, H, T_l, D)
+        layer.values = v
         if sliding:
             layer.cumulative_length = T
     return cache
 
 
 def from_cache(cache: DynamicCache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-               meta: PayloadMeta) -> KVPayload:
-    """Snapshot a cache (after a prefill of ``token_ids``) as a payload; tensors are copied."""
-    keys = tuple(layer.keys.detach().clone() for layer in cache.layers)  # (B, H, T_l, D)
-    values = tuple(layer.values.detach().clone() for layer in cache.layers)
+               meta: PayloadMeta, *, copy: bool = False) -> KVPayload:
+    """Snapshot a cache (after a prefill of ``token_ids``) as a payload, sharing its tensors unless ``copy``."""
+    keys = tuple(layer.keys.detach().clone() if copy else layer.keys.detach() for layer in cache.layers)  # (B, H, T_l, D)
+    values = tuple(layer.values.detach().clone() if copy else layer.values.detach() for layer in cache.layers)
     return KVPayload(keys, values, token_ids, positions, mask, meta)
