@@ -369,7 +369,8 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
                             path="store" if as_payload(last[c.name]) is not None else "bytes",
                             compression_ratio=last[c.name].raw_nbytes / nb, put_mbps=nb / p / 1e6,
                             get_mbps=nb / g / 1e6, repeats=repeats))
-                text_bytes = len(sender.decode(ids).encode("utf-8"))
+                text = sender.decode(ids).encode("utf-8")  # what the text channel sends instead
+                text_bytes = len(text)
                 t_q = _med([a for a, _ in prompt_s])
                 t_qkv = _med([b for _, b in prompt_s])
                 t_build = _med(build_s)
@@ -382,7 +383,7 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
                                        "prompt_prefill_kv_s": t_qkv, "prompt_prefill_text_s": t_q,
                                        "prefill_context_s": saved, "kv_fixed_s": kv_fixed,
                                        "text_fixed_s": saved + t_q})
-                per_size[len(ids)] = {c.name: last[c.name] for c in parsed}
+                per_size[len(ids)] = ({c.name: last[c.name] for c in parsed}, text)
                 del payload
             if link:
                 links, link_note = _bench_links(per_size, codec_rows, rates_mbit, say)
@@ -434,8 +435,7 @@ def _bench_links(per_size: dict, codec_rows: list[dict], rates, say) -> tuple[li
     with netem.Link() as link:
         for rate in rates:
             link.set_rate(rate)
-            for n, comps in per_size.items():
-                text = b"x" * fixed[(next(iter(comps)), n)]["text_bytes"]
+            for n, (comps, text) in per_size.items():
                 t_text = link.send(text)
                 for name, comp in comps.items():
                     parts = wire_parts(comp)
