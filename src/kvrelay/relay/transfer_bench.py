@@ -25,7 +25,8 @@ and store in a rotated order), and reported as medians over repeats.
 * text: ``transfer(text bytes) + prefill(context) + prompt prefill``
 
 The **break-even bandwidth** is where they cross: *measured* by interpolating ``kv − text``
-linearly in 1/rate between the two measured rates around the sign change, and in *closed form*
+linearly in 1/rate between the two measured rates around the sign change (the raw codec is also
+sent at half and twice its closed-form break-even, so that change is inside the measured rates), and in *closed form*
 ``8 (payload_bytes − text_bytes) / (prefill(context) + prompt − kv fixed costs)``. Below it text
 is faster. Without namespaces (not root, no iproute2) the link part is skipped and said so; the
 closed form is still reported.
@@ -276,8 +277,12 @@ class _Samples:
 
 def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, repeats: int = 3,
                    redis_url: str | None = None, disk_dir: str | os.PathLike | None = None,
-                   rates_mbit=RATES_MBIT, link: bool = True, pipeline: dict | None = None, progress=None) -> dict:
-    """The DESIGN §7 ``bench transfer`` dict (plus ``links``, ``break_even``, ``codecs``, ``pipeline_over_link``)."""
+                   rates_mbit=RATES_MBIT, link: bool = True, bracket_codecs=("raw",), pipeline: dict | None = None,
+                   progress=None) -> dict:
+    """The DESIGN §7 ``bench transfer`` dict (plus ``links``, ``break_even``, ``codecs``, ``pipeline_over_link``).
+
+    ``bracket_codecs`` also cross the link at half and twice their closed-form break-even, so the
+    measured figure is interpolated between two measured rates rather than left as a bound."""
     from kvrelay.relay.agent import Agent
     from kvrelay.relay.redis_server import redis_url_or_private
     from kvrelay.relay.stores import DiskStore, MemoryStore, RedisStore, put_payload
@@ -386,7 +391,8 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
                 per_size[len(ids)] = ({c.name: last[c.name] for c in parsed}, text)
                 del payload
             if link:
-                links, link_note = _bench_links(per_size, codec_rows, rates_mbit, say)
+                bracket_names = {codecs.parse(b).name for b in bracket_codecs}
+                links, link_note = _bench_links(per_size, codec_rows, rates_mbit, say, bracket_names)
         finally:
             if redis_store is not None:
                 redis_store.clear()
@@ -424,7 +430,10 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
     return res
 
 
-def _bench_links(per_size: dict, codec_rows: list[dict], rates, say) -> tuple[list[LinkRow], str]:
+def _bench_links(per_size: dict, codec_rows: list[dict], rates, say, bracket=("raw",),
+                 max_transfer_s: float = 300.0) -> tuple[list[LinkRow], str]:
+    """Every codec at every rate in ``rates``; the ``bracket`` codecs also at half and twice their
+    closed-form break-even (when that is not near a listed rate and the send takes <= ``max_transfer_s``)."""
     from kvrelay.relay import netem
 
     ok, why = netem.available()
@@ -432,13 +441,28 @@ def _bench_links(per_size: dict, codec_rows: list[dict], rates, say) -> tuple[li
         return [], f"link emulation skipped: {why}"
     out = []
     fixed = {(cr["codec"], cr["context_tokens"]): cr for cr in codec_rows}
+    plan = [(rate, n, name) for rate in rates for n, (comps, _) in per_size.items() for name in comps]
+    for n, (comps, _) in per_size.items():  # rates around the closed-form break-even, so it is bracketed
+        for name in comps:
+            if name not in bracket:
+                continue
+            cr = fixed[(name, n)]
+            cf = closed_form_break_even_mbps(cr["payload_bytes"], cr["text_bytes"], cr["text_fixed_s"], cr["kv_fixed_s"])
+            for r in (cf / 2, cf * 2):
+                slow = 8 * cr["payload_bytes"] / (r * 1e6) if 0 < r < float("inf") else float("inf")
+                near = any(abs(r - x) / x < 0.25 for x in rates) if slow < float("inf") else True
+                if not near and slow <= max_transfer_s:
+                    plan.append((round(r, 3), n, name))
     with netem.Link() as link:
-        for rate in rates:
+        for rate in sorted({p[0] for p in plan}):
             link.set_rate(rate)
             for n, (comps, text) in per_size.items():
+                todo = [name for r, m, name in plan if r == rate and m == n]
+                if not todo:
+                    continue
                 t_text = link.send(text)
-                for name, comp in comps.items():
-                    parts = wire_parts(comp)
+                for name in todo:
+                    parts = wire_parts(comps[name])
                     nb = sum(memoryview(p).nbytes for p in parts)
                     say(f"link {rate:g} Mbit/s: {name} at {n} tokens ({nb / 1e6:.1f} MB)")
                     t = link.send(parts)

@@ -80,6 +80,7 @@ def transfer(
     repeats: int = typer.Option(3, min=1, help="interleaved repeats; medians are reported"),
     rates: str = typer.Option("10,30,100,1000", help="link rates in Mbit/s for the emulated link"),
     link: bool = typer.Option(True, help="emulate links with network namespaces + tc tbf (needs root)"),
+    bracket: str = typer.Option("raw", help="codecs also sent at 0.5x and 2x their closed-form break-even rate"),
     redis_url: str = typer.Option(None, help="Redis to use (default: a private redis-server for the run)"),
     disk_dir: Path = typer.Option(None, help="folder for the disk store (default: a temporary one)"),
     pipeline_json: Path = typer.Option(DEFAULT_PIPELINE, help="a `bench pipeline` JSON to re-cost across the link"),
@@ -97,10 +98,9 @@ def transfer(
     lm = load_model(model)
     res = bench_transfer(lm, [int(x) for x in _split(context_tokens)], stores=_split(stores), codec_names=_split(codecs),
                          repeats=repeats, redis_url=redis_url, disk_dir=disk_dir,
-                         rates_mbit=[float(x) for x in _split(rates)], link=link,
+                         rates_mbit=[float(x) for x in _split(rates)], link=link, bracket_codecs=_split(bracket),
                          pipeline=load_pipeline(pipeline_json), progress=lambda s: console.print(s, style="dim"))
-    res["command"] = "kvrelay bench transfer " + " ".join(shlex.quote(a) for a in sys.argv[1:][1:]) \
-        if len(sys.argv) > 1 and sys.argv[1] == "bench" else " ".join(shlex.quote(a) for a in sys.argv)
+    res["command"] = " ".join(["kvrelay", *(shlex.quote(a) for a in sys.argv[1:])])
     print_result(res)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
