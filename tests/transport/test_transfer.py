@@ -120,8 +120,10 @@ def test_bench_over_link_reports_break_even(tiny_by_arch):
     _link_or_skip()
     res = bench_transfer(tiny_by_arch["llama"], [40], stores=("memory",), codec_names=("raw", "int8"), repeats=1,
                          rates_mbit=(10, 1000))
-    assert {(lr["codec"], lr["rate_mbit"]) for lr in res["links"]} == {(c, r) for c in ("raw", "int8-g32")
-                                                                       for r in (10, 1000)}
+    measured = {(lr["codec"], lr["rate_mbit"]) for lr in res["links"]}
+    assert measured >= {(c, r) for c in ("raw", "int8-g32") for r in (10, 1000)}
+    assert {c for c, _ in measured} == {"raw", "int8-g32"}  # only raw is bracketed around its break-even
+    assert len(measured) <= 6
     for lr in res["links"]:
         assert lr["transfer_s"] > 0 and lr["kv_s"] > lr["transfer_s"] and lr["text_s"] > lr["text_transfer_s"]
     for b in res["break_even"]:
