@@ -14,14 +14,16 @@ CONTROL_ARMS = ("none", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_ran
 
 PRESETS: dict[str, AuditConfig] = {
     # Private regime (generated records + SQuAD) next to the shared regime (ARC-Challenge).
+    # text_full is left out here: in the continue layout it re-encodes the very tokens kv relays, so its
+    # answers equal kv's by construction (tested) and its cost is what `bench relay` measures.
     "quick": AuditConfig(
         model="qwen2.5-coder-0.5b",
         tasks=("gen_easy", "squad", "arc_challenge"),
-        arms=CONTROL_ARMS + ("kv_noise:1.0",),
+        arms=("none", "kv", "kv_mismatched", "kv_zeroed", "kv_random", "kv_noise:1.0"),
         seeds=(0, 1),
-        limit=32,
+        limit=24,
         batch_size=8,
-        similarity_sample=6,
+        similarity_sample=4,
         n_boot=2000,
         preset="quick",
     ),
