@@ -94,13 +94,26 @@ def test_mismatched_is_another_task_with_equal_length(qwen, tmp_path):
     tasks = generate(4, seed=3, n_distractors=0, doc_tokens=128)
     runner = AuditRunner(AuditConfig(model="tiny", tasks=("gen",), arms=("kv",)), qwen, tmp_path)
     mine = runner.sender.read(tasks[0].context)
-    other = runner._mismatched(tasks, 0, mine.num_tokens)
+    other = runner._mismatched(tasks, 1, mine.num_tokens)
     assert other.num_tokens == mine.num_tokens
     assert not torch.equal(other.token_ids, mine.token_ids)
     head, tail = runner._head_tail()
     body = other.token_ids[0, len(head):len(other.token_ids[0]) - len(tail)].tolist()
     nxt = runner.sender.encode(tasks[1].context)
     assert body[:20] == nxt[:20]  # it is task 1's reading, not noise
+    assert other.token_ids[0, -len(tail):].tolist() == tail  # same wrapper as a real reading
+    # reusing the partner's own cache (prefix + extension) gives the same cache as prefilling it
+    for partner_task in (tasks[1], tasks[2]):
+        j = tasks.index(partner_task)
+        partner = runner.sender.read(partner_task.context)
+        for length in (mine.num_tokens, partner.num_tokens + 9, partner.num_tokens - 9):
+            fresh = runner._mismatched(tasks, j, length)
+            reused = runner._mismatched(tasks, j, length, partner)
+            assert reused.num_tokens == length
+            assert reused.token_ids[0, :len(head) + 5].tolist() == fresh.token_ids[0, :len(head) + 5].tolist()
+            assert reused.token_ids[0, -len(tail):].tolist() == tail
+            ref = runner.sender.prefill(reused.token_ids[0].tolist())
+            assert all((a - b).abs().max() < 1e-4 for a, b in zip(reused.keys, ref.keys, strict=True))
 
 
 def test_runner_records_resume_and_reuse(qwen, tmp_path):

@@ -3,9 +3,10 @@
 Protocol (stated once):
 
 * The sender reads each task's context once (one prefill per task); every cache arm starts
-  from a copy of that payload. The mismatched payload of task ``i`` is built from task
-  ``i + 1`` of the same set (a fixed shift, as in the paper), cut or extended with further real
-  contexts to *exactly* the matched payload's length.
+  from that payload. Tasks run in batches of similar length; the mismatched payload of a task is
+  the reading of the *next* task in run order (a fixed shift within the batch, as in the paper),
+  cut or extended with further real contexts to *exactly* the matched payload's length, with
+  the same wrapper tokens. Its cache is reused from the partner's own payload when it was read.
 * Decoding is greedy, so an arm whose input does not depend on the seed (everything but
   ``kv_random`` and ``kv_noise``) gives the same answer under every seed: it is computed once
   per task and recorded for each seed. Seeds drive the random draws and the arm order; the
@@ -33,6 +34,7 @@ import torch
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
 from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.transforms import select_tokens
 from kvrelay.relay.agent import Agent
 
 SENDER_ROLE = "You are the reader. Study the material below carefully; a colleague will ask about it."
@@ -108,17 +110,32 @@ class AuditRunner:
         head = self.sender.encode(self.sender.fmt.system(self.sender.role)) + self.sender.encode(user_head)
         return head, self.sender.encode(user_tail)
 
-    def _mismatched(self, tasks: list[Task], i: int, length: int) -> KVPayload:
-        """Task ``i + 1``'s reading (then ``i + 2``, ...), cut to exactly ``length`` tokens, same wrapper."""
+    def _mismatched(self, tasks: list[Task], j: int, length: int, partner: KVPayload | None = None) -> KVPayload:
+        """Task ``j``'s reading (extended with ``j + 1``'s, ...), cut to exactly ``length`` tokens, same wrapper.
+
+        With ``partner`` (task ``j``'s own payload) the cache is reused: a prefix of a causal cache is
+        the exact cache of that prefix, so only the wrapper tail (and any extension) is prefilled.
+        """
         head, tail = self._head_tail()
         want = length - len(head) - len(tail)
+        if partner is not None and want > 0:
+            have = partner.num_tokens - len(head) - len(tail)  # partner's own body tokens
+            try:
+                prefix = select_tokens(partner, list(range(len(head) + min(want, have))))
+            except ValueError:  # sliding-window layers no longer hold the early slots: prefill instead
+                prefix = None
+            if prefix is not None:
+                extra: list[int] = []
+                k = j
+                while len(extra) < want - have:
+                    k = (k + 1) % len(tasks)
+                    extra += self.sender.encode("\n\n" + tasks[k].context)
+                return self.sender.extend(prefix, extra[:max(want - have, 0)] + tail)
         body: list[int] = []
-        j = i
+        k = j
         while len(body) < want:
-            j = (j + 1) % len(tasks)
-            if j == i:
-                j = (j + 1) % len(tasks)
-            body += self.sender.encode(tasks[j].context + "\n\n")
+            body += self.sender.encode(tasks[k].context + "\n\n")
+            k = (k + 1) % len(tasks)
         ids = head + body[:max(want, 0)] + tail
         return self.sender.prefill(ids[:length])
 
@@ -172,6 +189,7 @@ class AuditRunner:
         bs = self.cfg.batch_size
         # Batch tasks of similar length together (less padding); mismatch partners keep the set's order.
         order = sorted(range(len(tasks)), key=lambda i: (len(tasks[i].context) + len(tasks[i].prompt), i))
+        pos = {i: k for k, i in enumerate(order)}
         for b0 in range(0, len(tasks), bs):
             batch = order[b0:b0 + bs]
             todo = {(tasks[i].id, a.name, s) for i in batch for a in self.arms for s in self.cfg.seeds} - done
@@ -183,8 +201,10 @@ class AuditRunner:
                 p = self.sender.read(tasks[i].context)
                 states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
             if any(a.needs_mismatch for a in self.arms):
+                read = {st.index: st.payload for st in states}
                 for st in states:
-                    st.mismatched = self._mismatched(tasks, st.index, st.payload.num_tokens)
+                    j = order[(pos[st.index] + 1) % len(tasks)]  # the next task in run order: a fixed shift
+                    st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read.get(j))
             for k, seed in enumerate(self.cfg.seeds):
                 rot = (b0 // bs + k) % len(self.arms)
                 for arm in self.arms[rot:] + self.arms[:rot]:

@@ -68,7 +68,7 @@ def similarity_rows(runner, tasks, seed: int = 0) -> list[dict]:
     with eager_attention(model):
         for i, task in enumerate(tasks):
             p = runner.sender.read(task.context)
-            m = runner._mismatched(tasks, i, p.num_tokens)
+            m = runner._mismatched(tasks, (i + 1) % len(tasks), p.num_tokens)
             prompt = recv.prompt_ids(task.prompt)
             T = p.num_tokens
             a_kv, h_kv = _probe(model, to_cache(p, model.config), prompt, T, T)

@@ -106,6 +106,20 @@ class Agent:
         forward_last(self.model, ids_t, pos, cache, None)
         return from_cache(cache, ids_t, pos, torch.ones_like(ids_t, dtype=torch.bool), self.meta())
 
+    def extend(self, p: KVPayload, ids: Sequence[int]) -> KVPayload:
+        """``p`` followed by ``ids`` (prefilled after it at the next positions): only the new tokens cost."""
+        if p.batch_size != 1:
+            raise ValueError("extend takes a single-row payload")
+        if not ids:
+            return p
+        ids_t = torch.tensor([list(ids)], dtype=torch.int64)  # (1, n)
+        pos = int(p.next_positions[0]) + torch.arange(len(ids), dtype=torch.int64)[None]  # (1, n)
+        cache = to_cache(p, self.model.config)
+        forward_last(self.model, ids_t, pos, cache, None)
+        all_ids = torch.cat((p.token_ids, ids_t), 1)
+        return from_cache(cache, all_ids, torch.cat((p.positions, pos), 1), torch.ones_like(all_ids, dtype=torch.bool),
+                          p.meta)
+
     def read(self, text: str, *, start: int = 0) -> KVPayload:
         """Read ``text`` (with this agent's role as system prompt) and return the cache as a payload."""
         return self.prefill(self.reading_ids(text), start=start)
