@@ -32,7 +32,15 @@ import numpy as np
 import torch
 
 from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta
-from kvrelay.workflows.run import MODES, AgentRecord, RunTrace, _Done, _needs_payload, _release, quote_reports
+from kvrelay.workflows.run import (
+    MODES,
+    AgentRecord,
+    RunTrace,
+    _Done,
+    _needs_payload,
+    _release,
+    resolve_inputs,
+)
 from kvrelay.workflows.spec import Workflow
 
 _NOT_WRITABLE = "The given NumPy array is not writable"
@@ -207,25 +215,8 @@ class RayWorkflowRunner:
         context_ids = ray.get(self.actors[plan.agents[0].name].context_ids.remote(context))
         for spec in plan.agents:
             t0 = time.perf_counter()
-            ins = plan.incoming(spec.name)
-            prompt, src_name = spec.prompt, None
-            if not ins:
-                channel, base, cache = "root", context_ids, None
-            elif len(ins) == 1:
-                src = done[ins[0].src]
-                channel, base = ins[0].channel, src.ids
-                cache, src_name = (src.payload, ins[0].src) if channel == "kv" else (None, None)
-            else:  # fan-in, as in run_workflow
-                senders = [done[e.src] for e in ins]
-                if any(s.base != senders[0].base for s in senders[1:]):
-                    raise RuntimeError(f"{spec.name}: fan-in senders read different contexts")
-                prompt = quote_reports([(e.src, done[e.src].text) for e in ins], spec.prompt)
-                grand = plan.incoming(ins[0].src)
-                channel, base = ins[0].channel, senders[0].base
-                cache = done[grand[0].src].payload if (channel == "kv+text" and grand) else None
-                src_name = grand[0].src if cache is not None else None
-                if channel == "kv+text" and cache is None:
-                    channel = "kv+text:no-cache"
+            channel, base, prompt, src_name = resolve_inputs(plan, spec, done, context_ids)
+            cache = done[src_name].payload if src_name is not None else None
             out = ray.get(self.actors[spec.name].respond.remote(
                 prompt, list(base), cache, layout=plan.layout, max_new_tokens=spec.max_new_tokens,
                 min_new_tokens=spec.min_new_tokens, want_payload=_needs_payload(plan, spec.name)))

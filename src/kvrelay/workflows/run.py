@@ -119,6 +119,33 @@ def _needs_payload(wf: Workflow, name: str) -> bool:
     return False
 
 
+def resolve_inputs(plan: Workflow, spec, done: dict, context_ids: list[int]
+                   ) -> tuple[str, list[int], str, str | None]:
+    """What agent ``spec`` reads, given the finished agents ``done``: (channel, base token ids, prompt,
+    name of the agent whose payload it continues from, or None).
+
+    A root reads the shared context; a single predecessor's whole turn comes as its cache (``kv``)
+    or as tokens (``text``); a fan-in reads the senders' shared context — as the grand-sender's
+    cache for ``kv+text`` — then its own turn quoting their answers.
+    """
+    ins = plan.incoming(spec.name)
+    if not ins:
+        return "root", context_ids, spec.prompt, None
+    if len(ins) == 1:
+        src = ins[0].src
+        return ins[0].channel, done[src].ids, spec.prompt, (src if ins[0].channel == "kv" else None)
+    senders = [done[e.src] for e in ins]
+    if any(s.base != senders[0].base for s in senders[1:]):
+        raise RuntimeError(f"{spec.name}: fan-in senders read different contexts")
+    prompt = quote_reports([(e.src, done[e.src].text) for e in ins], spec.prompt)
+    grand = plan.incoming(ins[0].src)
+    channel, base = ins[0].channel, senders[0].base
+    cache_src = grand[0].src if (channel == "kv+text" and grand and done[grand[0].src].payload is not None) else None
+    if channel == "kv+text" and cache_src is None:
+        channel = "kv+text:no-cache"  # roots share no cache: the shared context is re-encoded
+    return channel, base, prompt, cache_src
+
+
 def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrace:
     """Run every agent of ``wf`` once over the shared ``context``; ``mode="text"`` re-encodes every edge."""
     if mode not in MODES:
@@ -136,24 +163,8 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
         agent = agents[spec.name]
         if context_ids is None:
             context_ids = agent.encode(agent.fmt.user(context))
-        ins = plan.incoming(spec.name)
-        prompt = spec.prompt
-        if not ins:
-            channel, base, cache = "root", context_ids, None
-        elif len(ins) == 1:
-            src = done[ins[0].src]
-            channel, base = ins[0].channel, src.ids
-            cache = src.payload if channel == "kv" else None
-        else:  # fan-in: the senders' shared context, then their answers quoted in this turn
-            senders = [done[e.src] for e in ins]
-            if any(s.base != senders[0].base for s in senders[1:]):
-                raise RuntimeError(f"{spec.name}: fan-in senders read different contexts")
-            prompt = quote_reports([(e.src, done[e.src].text) for e in ins], spec.prompt)
-            grand = plan.incoming(ins[0].src)
-            channel, base = ins[0].channel, senders[0].base
-            cache = done[grand[0].src].payload if (channel == "kv+text" and grand) else None
-            if channel == "kv+text" and cache is None:
-                channel = "kv+text:no-cache"  # roots share no cache: the shared context is re-encoded
+        channel, base, prompt, cache_src = resolve_inputs(plan, spec, done, context_ids)
+        cache = done[cache_src].payload if cache_src is not None else None
         want_payload = _needs_payload(plan, spec.name)
         arg = cache if cache is not None else torch.tensor(base, dtype=torch.int64)
         t1 = time.perf_counter()
