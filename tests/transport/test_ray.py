@@ -3,6 +3,8 @@ bf16 included) and a 3-agent chain with the same outputs as in-process."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,3 +71,19 @@ def test_chain_of_three_actors_matches_in_process(ray_cluster, tiny_by_arch):
     assert all(a.relay_transfer_s > 0 and a.relay_bytes > 0 for a in kv.agents[1:])
     assert [a.relay_bytes for a in kv.agents] == [a.relay_bytes for a in local_kv.agents]
     assert all(a.relayed_tokens == 0 for a in text.agents)
+
+
+def test_bench_pipeline_on_ray_backend_matches_in_process(ray_cluster, tiny_by_arch):
+    """`bench pipeline --backend ray`: the same workflow through actors gives the in-process outputs."""
+    from kvrelay.workflows.bench import bench_pipeline
+    from kvrelay.workflows.workloads import build_workload
+
+    lm = tiny_by_arch["qwen2"]
+    wl = build_workload("review3", lm.tokenizer, 48)
+    wl = replace(wl, workflow=wl.workflow.with_tokens(6, 3))
+    local = bench_pipeline(lm, wl, repeats=1, warmup=False)
+    with RayWorkflowRunner(ModelSpec.tiny("qwen2"), wl.workflow) as runner:
+        res = bench_pipeline(lm, wl, repeats=1, warmup=False, run=lambda wf, ctx, mode: runner.run(ctx, mode=mode))
+    assert res["outputs_identical"] is True
+    assert [a["kv_output"] for a in res["per_agent"]] == [a["kv_output"] for a in local["per_agent"]]
+    assert [a["kv_relayed_tokens"] for a in res["per_agent"]] == [a["kv_relayed_tokens"] for a in local["per_agent"]]

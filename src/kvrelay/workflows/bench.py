@@ -51,8 +51,15 @@ def _common_prefix(a, b) -> int:
 
 
 def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
-                   warmup: bool = True, progress=None) -> dict:
-    """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the DESIGN §7 dict."""
+                   warmup: bool = True, progress=None, run=None) -> dict:
+    """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the DESIGN §7 dict.
+
+    ``run(workflow, context, mode) -> RunTrace`` picks the backend (default: in-process
+    ``run_workflow``; ``RayWorkflowRunner.run`` runs every agent as a Ray actor).
+    """
+    if run is None:
+        def run(wf, context, mode):
+            return run_workflow(lm, wf, context, mode=mode)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup:
@@ -63,7 +70,7 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
     for r in range(repeats):
         order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
         for mode in order:
-            t = run_workflow(lm, wf, workload.context, mode=mode)
+            t = run(wf, workload.context, mode)
             runs[mode].append(t)
             if progress:
                 progress(f"repeat {r + 1}/{repeats} {mode}: {t.wall_s:.1f}s")

@@ -72,6 +72,9 @@ def pipeline(
     json_path: Path = typer.Option(None, "--json", help="write the result here (plot beside it as .png)"),
     plot: bool = typer.Option(True, help="write the PNG next to the JSON"),
     threads: int = typer.Option(None, help="torch intra-op threads (1 is steadier on a shared, busy CPU)"),
+    backend: str = typer.Option("inprocess", help="inprocess | ray (every agent a Ray actor; payloads through the "
+                                "object store; --ray-address for an existing cluster, see docs/ray.md)"),
+    ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
 ) -> None:
     """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
     from kvrelay.models.loader import load_model
@@ -85,11 +88,27 @@ def pipeline(
     lm = load_model(model)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
-    res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s))
+    if backend not in ("inprocess", "ray"):
+        raise typer.BadParameter(f"--backend must be inprocess or ray, got {backend!r}")
+    if backend == "ray":
+        import ray
+
+        from kvrelay.relay.ray_backend import ModelSpec, RayWorkflowRunner
+
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+                 **({} if ray_address else {"num_cpus": 2}))
+        with RayWorkflowRunner(ModelSpec(name=model), wl.workflow, threads=threads) as runner:
+            res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s),
+                                 run=lambda wf, ctx, mode: runner.run(ctx, mode=mode))
+        res["backend"] = "ray"
+    else:
+        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s))
+        res["backend"] = "inprocess"
     res["context_tokens_requested"] = context_tokens
     res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
                       f" --repeats {repeats}" + (f" --layout {layout}" if layout else "")
-                      + (f" --threads {threads}" if threads is not None else ""))
+                      + (f" --threads {threads}" if threads is not None else "")
+                      + (" --backend ray" if backend == "ray" else ""))
     print_result(res)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
