@@ -137,3 +137,26 @@ def test_runner_records_resume_and_reuse(qwen, tmp_path):
     AuditRunner(cfg, qwen, tmp_path).run()  # resume: nothing left to do, nothing duplicated
     assert "versions" in json.loads((tmp_path / "config.json").read_text())
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_runner_resume_extends_a_folder_and_refuses_what_would_mix(qwen, tmp_path):
+    """A folder can gain task sets (each with its own cap); changing what decides batches is refused."""
+    from kvrelay.audit.runner import AuditResumeMismatch
+    from kvrelay.models.tiny import tiny_lm
+
+    base = dict(model="tiny", arms=("none", "kv"), seeds=(0,), limit=3, batch_size=2)
+    AuditRunner(AuditConfig(tasks=("gen_easy",), **base), qwen, tmp_path).run()
+    AuditRunner(AuditConfig(tasks=("gen:2",), **base), qwen, tmp_path).run()
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["sets"] == {"gen_easy": 3, "gen": 2} and cfg["tasks"] == ["gen_easy", "gen"]
+    rows = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert sum(r["task"] == "gen" for r in rows) == 2 * 2 and sum(r["task"] == "gen_easy" for r in rows) == 3 * 2
+    with pytest.raises(AuditResumeMismatch, match="gen_easy.*3 tasks.*gen_easy:3"):
+        AuditRunner(AuditConfig(tasks=("gen_easy:2",), **base), qwen, tmp_path).run()
+    with pytest.raises(AuditResumeMismatch, match="batch_size=2"):
+        AuditRunner(AuditConfig(tasks=("gen_easy",), **{**base, "batch_size": 3}), qwen, tmp_path).run()
+    with pytest.raises(AuditResumeMismatch, match="another model"):
+        AuditRunner(AuditConfig(tasks=("gen_easy",), **base), tiny_lm("llama"), tmp_path).run()
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(rows)  # refused runs wrote nothing
+    with pytest.raises(ValueError, match="NAME:COUNT"):
+        AuditConfig(tasks=("squad:x",), **base)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-import sys
+import shlex
 import time
 from pathlib import Path
 
@@ -24,27 +24,14 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
     return tuple(x.strip() for x in value.split(",") if x.strip()) if value else None
 
 
-def finalize(out: Path, lm_name: str | None = None) -> dict:
-    """Recompute ``summary.json`` and the reports from ``records.jsonl`` (+ ``run.json``, ``similarity.json``)."""
-    from kvrelay.audit.report import write_report
-    from kvrelay.audit.runner import read_records
-    from kvrelay.audit.stats import summarize, verdict
+def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) -> dict:
+    """Recompute ``summary.json`` and the reports from ``records.jsonl`` (see ``report.rebuild``)."""
+    from kvrelay.audit.report import rebuild
 
-    records_path = out / "records.jsonl"
-    if not records_path.exists():
-        raise typer.BadParameter(f"{records_path} does not exist: run `kvrelay audit --out {out}` first")
-    records = read_records(records_path)
-    meta = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
-    cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
-    summary = {"model": lm_name or meta.get("model") or cfg.get("model")}
-    summary.update(summarize(records, margin=cfg.get("margin", 2.8), n_boot=cfg.get("n_boot", 2000)))
-    sim_path = out / "similarity.json"
-    if sim_path.exists():
-        summary["similarity"] = json.loads(sim_path.read_text())
-    summary["verdict"] = verdict(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    paths = write_report(out, records, summary, meta)
-    return {"summary": summary, "paths": paths}
+    if not (out / "records.jsonl").exists():
+        raise typer.BadParameter(f"{out / 'records.jsonl'} does not exist: run `kvrelay audit --out {out}` first")
+    paths = rebuild(out, margin=margin, n_boot=n_boot)
+    return {"summary": json.loads(paths["summary.json"].read_text()), "paths": paths}
 
 
 def _print_headline(summary: dict) -> None:
@@ -67,12 +54,14 @@ def audit(
     ctx: typer.Context,
     preset_name: str = typer.Option("quick", "--preset", help="quick | full | smoke"),
     model: str | None = typer.Option(None, help="zoo name, folder or transformers id (default: the preset's)"),
-    tasks: str | None = typer.Option(None, help="task sets, comma-separated (gen, squad, arc_challenge, ...)"),
+    tasks: str | None = typer.Option(None, help="task sets, comma-separated (gen, squad, arc_challenge, ...); "
+                                     "NAME:COUNT caps one set (squad:160)"),
     arms: str | None = typer.Option(None, help="arms, comma-separated (none, kv, kv_mismatched, kv_noise:0.5, ...)"),
     seeds: str | None = typer.Option(None, help="seeds, comma-separated"),
     limit: int | None = typer.Option(None, help="cap on tasks per task set"),
     batch_size: int | None = typer.Option(None, help="tasks per padded batch"),
     out: Path = typer.Option(Path("out/audit"), help="output folder (re-running resumes)"),
+    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
 ):
     """Run the audit into OUT: records.jsonl, summary.json, report.md, report.html."""
     if ctx.invoked_subcommand is not None:
@@ -84,12 +73,11 @@ def audit(
     from kvrelay.audit.runner import AuditRunner
     from kvrelay.audit.similarity import similarity_rows
     from kvrelay.audit.tasks import load_tasks
-    from kvrelay.models.loader import load_model
+    from kvrelay.models.cli_load import load_for_cli
 
-    torch.set_num_threads(2)
     cfg = preset(preset_name, model=model, tasks=_csv(tasks), arms=_csv(arms),
                  seeds=tuple(int(s) for s in _csv(seeds)) if seeds else None, limit=limit, batch_size=batch_size)
-    lm = load_model(cfg.model)
+    lm = load_for_cli(cfg.model, threads)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with tqdm(desc=f"audit {cfg.preset}", unit="trial") as bar:
@@ -97,19 +85,26 @@ def audit(
         bar.total = runner.total_trials()
         runner.run()
     sim_path = out / "similarity.json"
-    if cfg.similarity_sample and not sim_path.exists():
-        rows = []
-        for name in tqdm(cfg.tasks, desc="similarity", unit="set"):
-            rows += similarity_rows(runner, load_tasks(name, limit=cfg.similarity_sample, seed=0))
-        sim_path.write_text(json.dumps(rows, indent=2) + "\n")
+    sim = json.loads(sim_path.read_text()) if sim_path.exists() else []
+    have = {r["task"] for r in sim}
+    todo = [name for name, _ in cfg.task_sets() if name not in have] if cfg.similarity_sample else []
+    for name in tqdm(todo, desc="similarity", unit="set", disable=not todo):
+        sim += similarity_rows(runner, load_tasks(name, limit=cfg.similarity_sample, seed=0))
+    if todo:
+        sim_path.write_text(json.dumps(sim, indent=2) + "\n")
     elapsed = time.time() - started
     prev = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
-    meta = {"model": cfg.model, "preset": cfg.preset, "tasks": list(cfg.tasks), "arms": list(cfg.arms),
-            "seeds": list(cfg.seeds), "limit": cfg.limit, "elapsed_s": prev.get("elapsed_s", 0.0) + elapsed,
-            "threads": torch.get_num_threads(), "command": " ".join(["kvrelay", *sys.argv[1:]]),
+    merged = json.loads((out / "config.json").read_text())  # what every run into OUT covered, together
+    given = {"--preset": preset_name, "--model": model, "--tasks": tasks, "--arms": arms, "--seeds": seeds,
+             "--limit": limit, "--batch-size": batch_size, "--out": out}
+    command = " ".join(["kvrelay audit", *(f"{k} {shlex.quote(str(v))}" for k, v in given.items() if v is not None)])
+    meta = {"model": cfg.model, "preset": cfg.preset, "tasks": merged["tasks"], "arms": merged["arms"],
+            "seeds": merged["seeds"], "limit": merged["sets"], "elapsed_s": prev.get("elapsed_s", 0.0) + elapsed,
+            "threads": torch.get_num_threads(),
+            "commands": [*prev.get("commands", [prev["command"]] if "command" in prev else []), command],
             "fingerprint": lm.identity.fingerprint}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
-    res = finalize(out, cfg.model)
+    res = finalize(out, margin=cfg.margin, n_boot=cfg.n_boot)
     _print_headline(res["summary"])
     console.print(f"audit took {elapsed / 60:.1f} min; report: {out / 'report.html'}")
 

@@ -34,6 +34,7 @@ CARRIED_KEYS = ("similarity",)
 #: meta keys shown first, in this order, with these labels; other keys follow as they come.
 META_LABELS = {"model": "model", "preset": "preset", "tasks": "task sets", "arms": "arms", "seeds": "seeds",
                "limit": "tasks per set (limit)", "elapsed_s": "elapsed", "command": "command line",
+               "commands": "command lines (in order; re-runs resume)",
                "versions": "versions"}  # fmt: skip
 
 
@@ -155,6 +156,8 @@ def _facts(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> Secti
                 text = _duration(v)
             elif key == "command" and isinstance(v, list | tuple):
                 text = " ".join(str(x) for x in v)
+            elif key == "commands" and isinstance(v, list | tuple):
+                text = " ; ".join(str(x) for x in v)
             else:
                 text = _value(v)
             rows.append((label, text))

@@ -17,7 +17,13 @@ Protocol (stated once):
 * ``latency_s`` = relay build + receiver prefill + receiver decode (+ the sender's decode for
   ``text_message``). ``relay_bytes`` = payload bytes for cache arms, UTF-8 bytes of the text for
   text arms, 0 for ``none``. ``prefill_tokens`` = tokens the receiver prefilled.
-* Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped.
+* Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped. A run may
+  add task sets, arms or seeds to a folder; it must keep the model (fingerprint), the batch size,
+  the message length and each set's task count, since those decide which tasks share a batch
+  and who is whose mismatch partner (``AuditResumeMismatch`` otherwise). ``config.json`` holds
+  the union of what ran, with each set's task count under ``sets``.
+* A task set may carry its own cap: ``squad:160`` runs the first 160 tasks of SQuAD's fixed
+  order whatever ``limit`` says.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
 from kvrelay.audit.tasks import Task, load_tasks, score
+from kvrelay.errors import KVRelayError
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 from kvrelay.relay.agent import Agent
@@ -43,6 +50,20 @@ MESSAGE_PROMPT = ("Write a short note for a colleague who must answer the questi
                   "material. Include every fact they need.\n\n{question}")
 MAX_NEW = {"qa_success": 16, "exact_match": 16, "token_f1": 16, "contains": 16, "choice_letter": 6,
            "yes_no": 4, "final_number": 160}
+
+
+class AuditResumeMismatch(KVRelayError, ValueError):
+    """A run was asked to continue a folder whose records were made under different settings."""
+
+
+def split_task_spec(spec: str, default: int | None) -> tuple[str, int | None]:
+    """``"squad:160"`` → ``("squad", 160)``; ``"squad"`` → ``("squad", default)``."""
+    name, sep, count = spec.partition(":")
+    if not sep:
+        return spec, default
+    if not count.isdigit() or int(count) < 2:
+        raise ValueError(f"task set {spec!r}: expected NAME or NAME:COUNT with COUNT an integer >= 2")
+    return name, int(count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +89,12 @@ class AuditConfig:
             raise ValueError("an audit needs at least one task set, one arm and one seed")
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        for t in self.tasks:
+            split_task_spec(t, self.limit)
+
+    def task_sets(self) -> list[tuple[str, int | None]]:
+        """``(set name, task cap)`` per entry of ``tasks`` (``NAME:COUNT`` overrides ``limit``)."""
+        return [split_task_spec(t, self.limit) for t in self.tasks]
 
 
 @dataclass
@@ -181,8 +208,8 @@ class AuditRunner:
             })
         return rows
 
-    def run_set(self, name: str, done: set, sink) -> None:
-        tasks = load_tasks(name, limit=self.cfg.limit, seed=0)
+    def run_set(self, name: str, done: set, sink, limit: int | None = None) -> None:
+        tasks = load_tasks(name, limit=limit, seed=0)
         if len(tasks) < 2:
             raise ValueError(f"task set {name!r} has {len(tasks)} task(s); the mismatched arm needs at least 2")
         max_new = MAX_NEW.get(tasks[0].scorer, 16)
@@ -223,20 +250,61 @@ class AuditRunner:
                         sink(r)
                     self.progress(len(rows))
 
+    def set_sizes(self) -> dict[str, int]:
+        """Tasks per set this run covers, ``{name: count}``."""
+        return {name: len(load_tasks(name, limit=n, seed=0)) for name, n in self.cfg.task_sets()}
+
     def total_trials(self) -> int:
-        return sum(len(load_tasks(n, limit=self.cfg.limit, seed=0)) for n in self.cfg.tasks) * len(self.arms) * len(
-            self.cfg.seeds)
+        return sum(self.set_sizes().values()) * len(self.arms) * len(self.cfg.seeds)
+
+    def _merged_config(self, sizes: dict[str, int], done: set) -> dict:
+        """This run's config merged with the folder's ``config.json``; raises if they cannot share records."""
+        path = self.out / "config.json"
+        if not path.exists():
+            prev: dict = {}
+        else:
+            try:
+                prev = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise AuditResumeMismatch(f"{path} is not valid JSON ({err}); fix or remove it to resume") from None
+        fp = (prev.get("versions") or {}).get("model_fingerprint")
+        if fp is not None and fp != self.versions["model_fingerprint"]:
+            raise AuditResumeMismatch(f"{self.out} holds records of another model ({prev.get('model')!r}, "
+                                      f"fingerprint {fp[:12]}…); this run loads {self.cfg.model!r} "
+                                      f"({self.versions['model_fingerprint'][:12]}…): use a new --out")
+        for key in ("batch_size", "message_tokens"):
+            if key in prev and prev[key] != getattr(self.cfg, key):
+                raise AuditResumeMismatch(f"{self.out} was run with {key}={prev[key]}; this run asks for "
+                                          f"{getattr(self.cfg, key)}: pass --{key.replace('_', '-')} {prev[key]} "
+                                          "or use a new --out")
+        old_sets = prev.get("sets") or {t: len(load_tasks(t, limit=prev.get("limit"), seed=0))
+                                        for t in prev.get("tasks", ()) if ":" not in t}
+        started = {tid.partition("/")[0] for tid, _, _ in done}
+        for name, n in sizes.items():
+            if name in old_sets and old_sets[name] != n and name in started:
+                raise AuditResumeMismatch(f"{self.out}: task set {name!r} was run with {old_sets[name]} tasks; this "
+                                          f"run asks for {n} (batches and mismatch partners depend on the count): "
+                                          f"pass --tasks {name}:{old_sets[name]} or use a new --out")
+
+        def union(a, b):
+            return list(dict.fromkeys([*a, *b]))
+
+        sets = {**old_sets, **sizes}
+        return {**prev, **asdict(self.cfg), "tasks": list(sets), "arms": union(prev.get("arms", ()), self.cfg.arms),
+                "seeds": union(prev.get("seeds", ()), self.cfg.seeds), "sets": sets, "versions": self.versions}
 
     def run(self) -> Path:
         done = _records_done(self.records_path)
-        (self.out / "config.json").write_text(json.dumps({**asdict(self.cfg), "versions": self.versions}, indent=2) + "\n")
+        sizes = self.set_sizes()
+        config = self._merged_config(sizes, done)
+        (self.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         with self.records_path.open("a") as f:
             def sink(row: dict) -> None:
                 f.write(json.dumps(row) + "\n")
                 f.flush()
 
-            for name in self.cfg.tasks:
-                self.run_set(name, done, sink)
+            for name, n in self.cfg.task_sets():
+                self.run_set(name, done, sink, limit=n)
         return self.records_path
 
 
