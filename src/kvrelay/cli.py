@@ -88,14 +88,15 @@ def bench_relay_cmd(
     context_tokens: str = typer.Option("512,2048", help="comma-separated context sizes"),
     repeats: int = typer.Option(3, min=1, help="interleaved repeats per size; medians are reported"),
     max_new_tokens: int = typer.Option(16, min=1),
+    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     json_path: Path | None = typer.Option(None, "--json"),
 ):
     """Receiver TTFT with a relayed cache vs re-encoding the same context, side by side."""
-    from kvrelay.models.loader import load_model
+    from kvrelay.models.cli_load import load_for_cli
     from kvrelay.relay.bench import bench_relay
 
     sizes = [int(x) for x in context_tokens.split(",") if x.strip()]
-    lm = load_model(model)
+    lm = load_for_cli(model, threads)
     res = bench_relay(lm, sizes, repeats, max_new_tokens)
     t = Table(title=f"bench relay — {model} (medians of {repeats})")
     for c in ("context", "text TTFT s", "kv TTFT s", "speedup", "ideal", "payload MB", "encode s", "decode s",

@@ -106,7 +106,6 @@ def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, que
 def bench_relay(lm, sizes: list[int], repeats: int = 3, max_new_tokens: int = 16, show_progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    torch.set_num_threads(min(torch.get_num_threads(), 2) or 1)
     rows = []
     with tqdm(total=len(sizes) * repeats * 2, desc="bench relay", unit="run", disable=not show_progress) as bar:
         for n in sizes:

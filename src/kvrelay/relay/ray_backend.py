@@ -35,10 +35,10 @@ from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta
 from kvrelay.workflows.run import (
     MODES,
     AgentRecord,
+    Finished,
     RunTrace,
-    _Done,
-    _needs_payload,
-    _release,
+    needs_payload,
+    release_unused,
     resolve_inputs,
 )
 from kvrelay.workflows.spec import Workflow
@@ -209,7 +209,7 @@ class RayWorkflowRunner:
         plan = self.wf if mode == "kv" else self.wf.with_channels("text")
         ray.get([h.reset.remote() for h in self.actors.values()])
         t_run = time.perf_counter()
-        done: dict[str, _Done] = {}
+        done: dict[str, Finished] = {}
         put_s: dict[str, float] = {}
         records = []
         context_ids = ray.get(self.actors[plan.agents[0].name].context_ids.remote(context))
@@ -219,10 +219,10 @@ class RayWorkflowRunner:
             cache = done[src_name].payload if src_name is not None else None
             out = ray.get(self.actors[spec.name].respond.remote(
                 prompt, list(base), cache, layout=plan.layout, max_new_tokens=spec.max_new_tokens,
-                min_new_tokens=spec.min_new_tokens, want_payload=_needs_payload(plan, spec.name)))
+                min_new_tokens=spec.min_new_tokens, want_payload=needs_payload(plan, spec.name)))
             wall = time.perf_counter() - t0
             put_s[spec.name] = out["put_s"]
-            done[spec.name] = _Done(out["text"], out["ids"], list(base), out["payload"])
+            done[spec.name] = Finished(out["text"], out["ids"], list(base), out["payload"])
             transfer = (put_s.get(src_name, 0.0) + out["get_s"]) if cache is not None else 0.0
             records.append(AgentRecord(
                 name=spec.name, channel=channel, input_tokens=out["input_tokens"],
@@ -230,7 +230,7 @@ class RayWorkflowRunner:
                 prefill_s=out["prefill_s"], decode_tokens=len(out["token_ids"]), decode_s=out["decode_s"],
                 relay_bytes=out["relay_bytes"], relay_encode_s=out["relay_encode_s"], relay_transfer_s=transfer,
                 relay_decode_s=out["relay_decode_s"], wall_s=wall, text=out["text"], token_ids=out["token_ids"]))
-            _release(plan, done, spec.name)  # dropping a ref frees its object-store copy
+            release_unused(plan, done, spec.name)  # dropping a ref frees its object-store copy
         return RunTrace(self.wf.name, mode, plan.layout, len(context_ids), tuple(records),
                         time.perf_counter() - t_run)
 

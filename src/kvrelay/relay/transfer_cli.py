@@ -88,14 +88,10 @@ def transfer(
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
 ) -> None:
     """Relay overhead per store x codec x size vs the prefill it saves; break-even bandwidth over emulated links."""
-    from kvrelay.models.loader import load_model
+    from kvrelay.models.cli_load import load_for_cli
     from kvrelay.relay.transfer_bench import bench_transfer, load_pipeline
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    lm = load_model(model)
+    lm = load_for_cli(model, threads)
     res = bench_transfer(lm, [int(x) for x in _split(context_tokens)], stores=_split(stores), codec_names=_split(codecs),
                          repeats=repeats, redis_url=redis_url, disk_dir=disk_dir,
                          rates_mbit=[float(x) for x in _split(rates)], link=link, bracket_codecs=_split(bracket),

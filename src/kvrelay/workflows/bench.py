@@ -17,6 +17,7 @@ load (shared CPUs) hits both alike. Reported (DESIGN §7):
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -69,13 +70,14 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
     order_log = []
     for r in range(repeats):
         order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
+        load1 = os.getloadavg()[0]  # 1-min load average before the repeat: was the machine quiet?
         for mode in order:
             t = run(wf, workload.context, mode)
             runs[mode].append(t)
             if progress:
                 progress(f"repeat {r + 1}/{repeats} {mode}: {t.wall_s:.1f}s")
         order_log.append({"repeat": r, "order": list(order), "text_s": runs["text"][-1].wall_s,
-                          "kv_s": runs["kv"][-1].wall_s})
+                          "kv_s": runs["kv"][-1].wall_s, "load1_before": load1})
     return summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
 
 
@@ -168,7 +170,7 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
         "raw": {mode: [[{"agent": a.name, "prefill_s": a.prefill_s, "decode_s": a.decode_s, "relay_s": a.relay_s,
                          "wall_s": a.wall_s} for a in t.agents] for t in rs] for mode, rs in runs.items()},
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+                    "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -77,15 +77,11 @@ def pipeline(
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
 ) -> None:
     """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
-    from kvrelay.models.loader import load_model
+    from kvrelay.models.cli_load import load_for_cli
     from kvrelay.workflows.bench import bench_pipeline
     from kvrelay.workflows.plot import plot_pipeline
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    lm = load_model(model)
+    lm = load_for_cli(model, threads)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
     if backend not in ("inprocess", "ray"):
@@ -128,14 +124,10 @@ def replace_quality_cmd(
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
 ) -> None:
     """The replace layout's quality cost: outputs vs text mode and exact match on a known fact."""
-    from kvrelay.models.loader import load_model
+    from kvrelay.models.cli_load import load_for_cli
     from kvrelay.workflows.bench import replace_quality
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    lm = load_model(model)
+    lm = load_for_cli(model, threads)
     res = replace_quality(lm, [w.strip() for w in workflows.split(",") if w.strip()], context_tokens,
                           [int(s) for s in seeds.split(",")], model_name=model, progress=console.print)
     t = Table(title=f"replace layout vs text — {model}, {context_tokens} context tokens")

@@ -85,7 +85,7 @@ class RunTrace:
 
 
 @dataclass(slots=True)
-class _Done:
+class Finished:
     """What a finished agent leaves for its successors."""
 
     text: str
@@ -109,7 +109,7 @@ def turn_ids(agent: Agent, prompt: str, base: Sequence[int], layout: str, answer
     return head + list(answer) + agent.encode(agent.fmt.assistant_end)
 
 
-def _needs_payload(wf: Workflow, name: str) -> bool:
+def needs_payload(wf: Workflow, name: str) -> bool:
     """A successor continues from this agent's whole turn (kv), or a fan-in two steps on does (kv+text)."""
     for e in wf.outgoing(name):
         if e.channel == "kv":
@@ -155,7 +155,7 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
     # Agents are set up before the clock starts: a deployed pipeline builds them once.
     agents = {a.name: Agent(lm, a.name, a.role, max_new_tokens=a.max_new_tokens) for a in plan.agents}
     t_run = time.perf_counter()
-    done: dict[str, _Done] = {}
+    done: dict[str, Finished] = {}
     records = []
     context_ids: list[int] | None = None
     for spec in plan.agents:
@@ -165,7 +165,7 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
             context_ids = agent.encode(agent.fmt.user(context))
         channel, base, prompt, cache_src = resolve_inputs(plan, spec, done, context_ids)
         cache = done[cache_src].payload if cache_src is not None else None
-        want_payload = _needs_payload(plan, spec.name)
+        want_payload = needs_payload(plan, spec.name)
         arg = cache if cache is not None else torch.tensor(base, dtype=torch.int64)
         t1 = time.perf_counter()
         r: Response = agent.respond(prompt, arg, layout=layout, max_new_tokens=spec.max_new_tokens,
@@ -175,7 +175,7 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
         ids = turn_ids(agent, prompt, base, layout, r.token_ids)
         if r.payload is not None and r.payload.token_ids[0].tolist() != ids:
             raise RuntimeError(f"{spec.name}: payload tokens differ from the turn's token sequence")
-        done[spec.name] = _Done(r.text, ids, list(base), r.payload)
+        done[spec.name] = Finished(r.text, ids, list(base), r.payload)
         prefix = len(agent.encode(agent.fmt.system(agent.role))) if (cache is not None and layout == "replace") else 0
         encode_s = (t2 - t1 - r.cache_build_s - r.prefill_s - r.decode_s) if r.payload is not None else 0.0
         records.append(AgentRecord(
@@ -185,11 +185,11 @@ def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrac
             relay_bytes=cache.nbytes if cache is not None else 0, relay_encode_s=max(encode_s, 0.0),
             relay_transfer_s=0.0, relay_decode_s=r.cache_build_s if cache is not None else 0.0,
             wall_s=wall, text=r.text, token_ids=r.token_ids))
-        _release(plan, done, spec.name)
+        release_unused(plan, done, spec.name)
     return RunTrace(wf.name, mode, layout, len(context_ids or []), tuple(records), time.perf_counter() - t_run)
 
 
-def _release(wf: Workflow, done: dict[str, _Done], just_ran: str) -> None:
+def release_unused(wf: Workflow, done: dict[str, Finished], just_ran: str) -> None:
     """Drop whole-turn caches no later agent can use (they are tens of MB at a few thousand tokens)."""
     names = [a.name for a in wf.agents]
     pending = set(names[names.index(just_ran) + 1:])
