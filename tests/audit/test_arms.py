@@ -160,3 +160,24 @@ def test_runner_resume_extends_a_folder_and_refuses_what_would_mix(qwen, tmp_pat
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(rows)  # refused runs wrote nothing
     with pytest.raises(ValueError, match="NAME:COUNT"):
         AuditConfig(tasks=("squad:x",), **base)
+
+
+def test_runner_resume_drops_an_unfinished_last_record(qwen, tmp_path):
+    """A run killed mid-write leaves half a line; the next run cuts it, re-runs that trial, keeps valid JSONL."""
+    from kvrelay.audit.runner import AuditResumeMismatch
+
+    cfg = AuditConfig(model="tiny", tasks=("gen_easy",), arms=("none", "kv"), seeds=(0,), limit=2, batch_size=2)
+    runner = AuditRunner(cfg, qwen, tmp_path)
+    runner.run()
+    path = tmp_path / "records.jsonl"
+    lines = path.read_text().splitlines()
+    assert runner.done_trials() == runner.total_trials() == 4
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])  # the last record half written
+    with pytest.warns(UserWarning, match="unfinished last record"):
+        AuditRunner(cfg, qwen, tmp_path).run()
+    again = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(again) == 4 and {(r["task_id"], r["arm"]) for r in again} == {
+        (json.loads(x)["task_id"], json.loads(x)["arm"]) for x in lines}
+    path.write_text(lines[0] + "\n{oops\n" + "\n".join(lines[1:]) + "\n")
+    with pytest.raises(AuditResumeMismatch, match=r"records.jsonl:2: not an audit record"):
+        AuditRunner(cfg, qwen, tmp_path).run()

@@ -36,7 +36,7 @@ def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) 
 
 def _print_headline(summary: dict) -> None:
     t = Table(title=f"audit — {summary.get('model')}: success effects (points, 95% CI)")
-    for c in ("regime", "task", "contrast", "estimate", "CI", "p (Holm)", "n"):
+    for c in ("regime", "task", "contrast", "estimate", "CI", "p (Holm)", "tasks"):
         t.add_column(c)
     for e in summary["effects"]:
         if e["outcome"] != "success" or e["contrast"] not in ("pairing", "presence", "kv_vs_none", "kv_vs_text_full"):
@@ -44,7 +44,7 @@ def _print_headline(summary: dict) -> None:
         ci = "—" if e["ci_low"] is None else f"[{e['ci_low']:+.1f}, {e['ci_high']:+.1f}]"
         ph = "—" if e.get("p_holm") is None else f"{e['p_holm']:.3g}"
         est = "—" if e["estimate"] is None else f"{e['estimate']:+.1f}"
-        t.add_row(e["regime"], e["task"], e["contrast"], est, ci, ph, str(e["n"]))
+        t.add_row(e["regime"], e["task"], e["contrast"], est, ci, ph, str(e.get("n_clusters", e["n"])))
     console.print(t)
     console.print(summary["verdict"])
 
@@ -80,9 +80,11 @@ def audit(
     lm = load_for_cli(cfg.model, threads)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with tqdm(desc=f"audit {cfg.preset}", unit="trial") as bar:
-        runner = AuditRunner(cfg, lm, out, progress=bar.update)
-        bar.total = runner.total_trials()
+    runner = AuditRunner(cfg, lm, out)
+    # a resumed run starts its count at what is already on disk
+    with tqdm(desc=f"audit {cfg.preset}", unit="trial", total=runner.total_trials(),
+              initial=runner.done_trials()) as bar:
+        runner.progress = bar.update
         runner.run()
     sim_path = out / "similarity.json"
     sim = json.loads(sim_path.read_text()) if sim_path.exists() else []

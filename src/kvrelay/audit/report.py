@@ -225,6 +225,12 @@ def _arm_rank(arm: str) -> tuple[int, str]:
     return (FIXED_ARMS.index(arm) if arm in FIXED_ARMS else len(FIXED_ARMS), arm)
 
 
+def _n(e: Mapping) -> str:
+    """Pairs, and the tasks they cluster in when seeds repeat tasks (the bootstrap resamples tasks)."""
+    n, k = e.get("n", "n/a"), e.get("n_clusters")
+    return f"{n} ({k})" if k is not None and k != n else str(n)
+
+
 def _effects_table(rows: Sequence[Mapping], level: str, collapsed: bool = False) -> Table:
     out, keys = [], []
     for e in _sorted_effects(rows):
@@ -233,10 +239,10 @@ def _effects_table(rows: Sequence[Mapping], level: str, collapsed: bool = False)
         star = " *" if e.get("p_holm") is not None and e["p_holm"] < ALPHA else ""
         out.append((e["regime"], _task(e["task"]), e["contrast"], f"{a} − {b}", o, _fmt(o, e.get("estimate")) + star,
                     _ci(o, e.get("ci_low"), e.get("ci_high")), _p(e.get("p_value")), _p(e.get("p_holm")),
-                    str(e.get("n", "n/a"))))  # fmt: skip
+                    _n(e)))  # fmt: skip
         keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}/{o}")
     return Table(("regime", "task set", "contrast", "A − B", "outcome", "estimate", f"{level} CI", "p", "Holm p",
-                  "n pairs"), out, keys, collapsed)  # fmt: skip
+                  "n pairs (tasks)"), out, keys, collapsed)  # fmt: skip
 
 
 def _effects(summary: Mapping) -> list[Section]:
@@ -280,10 +286,10 @@ def _equivalence(summary: Mapping) -> Section:
         eq = "yes" if e.get("equivalent") else ("n/a" if e.get("p_tost") is None else "no")
         out.append((e["regime"], _task(e["task"]), e["contrast"], _fmt("success", e.get("estimate")),
                     _ci("success", e.get("ci90_low"), e.get("ci90_high")), f"±{e.get('margin', margin):g}",
-                    _p(e.get("p_tost")), _p(e.get("p_holm")), eq, str(e.get("n", "n/a"))))  # fmt: skip
+                    _p(e.get("p_tost")), _p(e.get("p_holm")), eq, _n(e)))  # fmt: skip
         keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}")
     sec.blocks.append(Table(("regime", "task set", "contrast", "estimate", "90% CI", "margin", "p TOST", "Holm p",
-                             "equivalent", "n pairs"), out, keys))  # fmt: skip
+                             "equivalent", "n pairs (tasks)"), out, keys))  # fmt: skip
     return sec
 
 

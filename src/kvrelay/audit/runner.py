@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,12 +108,31 @@ class _TaskState:
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
-    done = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done.add((r["task_id"], r["arm"], int(r["seed"])))
+    """(task id, arm, seed) of every record in ``path``.
+
+    A run killed mid-write leaves a last line without its newline: it is cut off (that trial runs
+    again) so appending stays valid JSONL. Any other unreadable line is an error naming its number.
+    """
+    done: set[tuple[str, str, int]] = set()
+    if not path.exists():
+        return done
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        warnings.warn(f"{path}: dropping an unfinished last record ({len(data) - cut} bytes); it will be re-run",
+                      stacklevel=2)
+        with path.open("r+b") as f:
+            f.truncate(cut)
+        data = data[:cut]
+    for i, line in enumerate(data.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            done.add((r["task_id"], r["arm"], int(r["seed"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise AuditResumeMismatch(f"{path}:{i}: not an audit record ({err}); fix or remove that line to resume") \
+                from None
     return done
 
 
@@ -256,6 +276,12 @@ class AuditRunner:
 
     def total_trials(self) -> int:
         return sum(self.set_sizes().values()) * len(self.arms) * len(self.cfg.seeds)
+
+    def done_trials(self) -> int:
+        """Trials of this run already in ``records.jsonl`` (a resumed run starts its count here)."""
+        ids = {t.id for name, n in self.cfg.task_sets() for t in load_tasks(name, limit=n, seed=0)}
+        arms, seeds = {a.name for a in self.arms}, set(self.cfg.seeds)
+        return sum(1 for t, a, s in _records_done(self.records_path) if t in ids and a in arms and s in seeds)
 
     def _merged_config(self, sizes: dict[str, int], done: set) -> dict:
         """This run's config merged with the folder's ``config.json``; raises if they cannot share records."""
