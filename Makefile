@@ -31,7 +31,7 @@ demo: setup
 	@echo "audit report: $(abspath $(OUT)/audit/report.html)"
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 
 test: setup lint
 	$(BIN)/python -m pytest -q -ra
