@@ -28,9 +28,10 @@ def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) 
     """Recompute ``summary.json`` and the reports from ``records.jsonl`` (see ``report.rebuild``)."""
     from kvrelay.audit.report import rebuild
 
-    if not (out / "records.jsonl").exists():
-        raise typer.BadParameter(f"{out / 'records.jsonl'} does not exist: run `kvrelay audit --out {out}` first")
-    paths = rebuild(out, margin=margin, n_boot=n_boot)
+    try:
+        paths = rebuild(out, margin=margin, n_boot=n_boot)
+    except FileNotFoundError as err:  # no folder or no records.jsonl: rebuild's message says which
+        raise typer.BadParameter(str(err)) from None
     return {"summary": json.loads(paths["summary.json"].read_text()), "paths": paths}
 
 

@@ -334,10 +334,6 @@ class AuditRunner:
         return self.records_path
 
 
-def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def _version() -> str:
     from kvrelay import __version__
 

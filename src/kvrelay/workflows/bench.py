@@ -94,13 +94,14 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
                 s += at.prefill_s * ak.relayed_tokens / at.prefill_tokens if share else at.prefill_s - ak.prefill_s
         return s
 
-    avoided_s = _median([avoided(t, k) for t, k in zip(text_runs, kv_runs, strict=True)])
-    pairs = list(zip(text_runs, kv_runs, strict=True))
-    ideal_paired = [t.wall_s / (t.wall_s - avoided(t, k)) for t, k in pairs]
-    avoided_share_s = _median([avoided(t, k, True) for t, k in zip(text_runs, kv_runs, strict=True)])
+    pairs = list(zip(text_runs, kv_runs, strict=True))  # text and kv of one repeat
+    avoided_each = [avoided(t, k) for t, k in pairs]
+    avoided_s = _median(avoided_each)
+    ideal_paired = [t.wall_s / (t.wall_s - a) for (t, _), a in zip(pairs, avoided_each, strict=True)]
+    avoided_share_s = _median([avoided(t, k, True) for t, k in pairs])
     text_s = _median([t.wall_s for t in text_runs])
     kv_s = _median([k.wall_s for k in kv_runs])
-    identical_per_repeat = [t.outputs() == k.outputs() for t, k in zip(text_runs, kv_runs, strict=True)]
+    identical_per_repeat = [t.outputs() == k.outputs() for t, k in pairs]
     deterministic = all(t.outputs() == text_runs[0].outputs() for t in text_runs) and all(
         k.outputs() == kv_runs[0].outputs() for k in kv_runs)
 
@@ -115,7 +116,7 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
                 row[f"{mode}_{f}"] = _median([getattr(a, f) for a in recs])
         t0, k0 = text_runs[0].agents[i], kv_runs[0].agents[i]
         row["avoided_prefill_s"] = (_median([t.agents[i].prefill_s - k.agents[i].prefill_s
-                                             for t, k in zip(text_runs, kv_runs, strict=True)])
+                                             for t, k in pairs])
                                     if k0.relayed_tokens else 0.0)
         row["prefill_tokens_saved"] = t0.prefill_tokens - k0.prefill_tokens
         row["identical"] = t0.token_ids == k0.token_ids

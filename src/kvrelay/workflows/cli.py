@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def pipeline(
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
     if backend not in ("inprocess", "ray"):
         raise typer.BadParameter(f"--backend must be inprocess or ray, got {backend!r}")
+    runner_ctx = contextlib.nullcontext()
     if backend == "ray":
         import ray
 
@@ -93,13 +95,11 @@ def pipeline(
 
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if ray_address else {"num_cpus": 2}))
-        with RayWorkflowRunner(ModelSpec(name=model), wl.workflow, threads=threads) as runner:
-            res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s),
-                                 run=lambda wf, ctx, mode: runner.run(ctx, mode=mode))
-        res["backend"] = "ray"
-    else:
-        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s))
-        res["backend"] = "inprocess"
+        runner_ctx = RayWorkflowRunner(ModelSpec(name=model), wl.workflow, threads=threads)
+    with runner_ctx as runner:  # None in process: bench_pipeline runs run_workflow itself
+        run = None if runner is None else (lambda wf, ctx, mode: runner.run(ctx, mode=mode))
+        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s), run=run)
+    res["backend"] = backend
     res["context_tokens_requested"] = context_tokens
     res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
                       f" --repeats {repeats}" + (f" --layout {layout}" if layout else "")
