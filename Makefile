@@ -32,6 +32,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 test: setup lint
 	$(BIN)/python -m pytest -q -ra

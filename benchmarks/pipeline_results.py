@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvrelay.workflows.bench import results_markdown
+from kvrelay.bench.pipeline import results_markdown
 
 BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
 

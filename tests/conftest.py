@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny random models (no download) and, for integration tests, zoo models."""
+"""Shared fixtures: tiny random models (no download), zoo models for integration tests, and a real Redis
+(``$KVRELAY_REDIS_URL`` when CI started one, else a private server)."""
 
 from __future__ import annotations
+
+import os
+import uuid
 
 import pytest
 import torch
@@ -27,3 +31,36 @@ def tiny_by_arch():
 def random_ids(n: int, seed: int, vocab: int = 60, low: int = 9) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+@pytest.fixture(scope="session")
+def redis_url():
+    url = os.environ.get("KVRELAY_REDIS_URL")
+    if url:
+        yield url
+        return
+    from kvrelay.transport.redis_server import RedisServer, RedisServerError
+
+    try:
+        server = RedisServer().start()
+    except RedisServerError as e:
+        pytest.skip(str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_namespace():
+    """A namespace of our own: the server may be shared with other test runs."""
+    return f"kvrelay-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def redis_store(redis_url, redis_namespace):
+    from kvrelay.transport.stores import RedisStore
+
+    store = RedisStore(redis_url, namespace=redis_namespace)
+    yield store
+    store.clear()
+    store.close()

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import build_kv, layer_subset, parse_arm
 from kvrelay.audit.runner import AuditConfig, AuditRunner
 from kvrelay.audit.tasks import generate
 from kvrelay.kv.transforms import layer_rms
-from kvrelay.relay.agent import Agent
 from tests.conftest import random_ids
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.agents.agent import Agent
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.cache import to_cache
 from kvrelay.kv.evict import attention_probe, evict, eviction_plan, key_norm_scores
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.quant import dequantize, quantize
 from kvrelay.kv.transforms import pad_batch, unpad_row
+from kvrelay.models.generate import forward_all
 from kvrelay.models.identity import RopeSpec
-from kvrelay.relay.agent import Agent
-from kvrelay.relay.generate import forward_all
 from tests.conftest import random_ids
 
 TOL = 1e-4  # fp32 exactness, as in tests/relay/test_exact.py

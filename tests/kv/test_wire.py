@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from kvrelay.errors import CorruptPayload, IncompatiblePayload
+from kvrelay.agents.agent import Agent
+from kvrelay.core.errors import CorruptPayload, IncompatiblePayload
 from kvrelay.kv import wire
 from kvrelay.kv.transforms import pad_batch, select_layers, select_tokens, to_dtype
-from kvrelay.relay.agent import Agent
 from tests.conftest import random_ids
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_model_folders import save_tiny_model, tiny_llama_config
 
-from kvrelay.errors import UnknownModel
+from kvrelay.core.errors import UnknownModel
 from kvrelay.models.loader import LoadedModel, clear_model_cache, load_model, model_facts
 
 
@@ -71,7 +71,7 @@ def test_bad_names_raise_unknown_model(tmp_path):
 def test_unreachable_transformers_id_raises_unknown_model_listing_the_zoo():
     # A fresh interpreter with the hub switched off: the id route is tried and fails cleanly.
     code = ("from kvrelay.models.loader import load_model\n"
-            "from kvrelay.errors import UnknownModel\n"
+            "from kvrelay.core.errors import UnknownModel\n"
             "try:\n    load_model('no-such-org/no-such-model')\n"
             "except UnknownModel as e:\n    print('UNKNOWN', e)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}

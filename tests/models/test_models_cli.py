@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvrelay.models.cli import app
+from kvrelay.cli.models import app
 
 runner = CliRunner()
 FIELDS = {"fingerprint", "tokenizer_hash", "layer_types", "sliding_window", "rope", "kv_bytes_per_token_fp32",

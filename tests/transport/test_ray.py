@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvrelay.agents.agent import Agent
 from kvrelay.kv.transforms import to_dtype
-from kvrelay.relay.agent import Agent
-from kvrelay.relay.ray_backend import ModelSpec, RayWorkflowRunner, payload_from_numpy, payload_to_numpy
+from kvrelay.workflows.ray_executor import ModelSpec, RayWorkflowRunner, payload_from_numpy, payload_to_numpy
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.spec import AgentSpec, chain
 
@@ -75,7 +75,7 @@ def test_chain_of_three_actors_matches_in_process(ray_cluster, tiny_by_arch):
 
 def test_bench_pipeline_on_ray_backend_matches_in_process(ray_cluster, tiny_by_arch):
     """`bench pipeline --backend ray`: the same workflow through actors gives the in-process outputs."""
-    from kvrelay.workflows.bench import bench_pipeline
+    from kvrelay.bench.pipeline import bench_pipeline
     from kvrelay.workflows.workloads import build_workload
 
     lm = tiny_by_arch["qwen2"]

@@ -12,11 +12,18 @@ import time
 import pytest
 import torch
 
-from kvrelay.errors import CorruptPayload
+from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.models.identity import RopeSpec
-from kvrelay.relay.keys import BLOCK_TOKENS, block_hashes, key_for, parse_key, payload_key
-from kvrelay.relay.stores import DiskStore, MemoryStore, PayloadStore, RedisStore, prefix_payload, put_payload
+from kvrelay.transport.keys import BLOCK_TOKENS, block_hashes, key_for, parse_key, payload_key
+from kvrelay.transport.stores import (
+    DiskStore,
+    MemoryStore,
+    PayloadStore,
+    RedisStore,
+    prefix_payload,
+    put_payload,
+)
 from tests.conftest import random_ids
 
 FP = "f0" * 32  # fingerprint of the made-up model of the synthetic payloads
@@ -122,9 +129,9 @@ def test_receiver_reuses_stored_prefix_and_prefills_the_rest(tiny, tmp_path, red
     """Logits from (stored prefix cache + prefill of the remainder) equal those of a full prefill."""
     from transformers import DynamicCache
 
+    from kvrelay.agents.agent import Agent
     from kvrelay.kv.cache import to_cache
-    from kvrelay.relay.agent import Agent
-    from kvrelay.relay.generate import forward_all
+    from kvrelay.models.generate import forward_all
 
     sender = Agent(tiny, "sender")
     ctx, new = random_ids(40, 11), random_ids(9, 12)
@@ -302,7 +309,7 @@ def test_disk_store_refuses_a_damaged_file(tmp_path):
 def test_private_redis_server_starts_and_stops(monkeypatch):
     import redis
 
-    from kvrelay.relay.redis_server import RedisServer, RedisServerError, redis_url_or_private
+    from kvrelay.transport.redis_server import RedisServer, RedisServerError, redis_url_or_private
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvrelay.relay.agent import Agent
-from kvrelay.workflows.bench import bench_pipeline, results_markdown
-from kvrelay.workflows.plot import plot_pipeline
+from kvrelay.agents.agent import Agent
+from kvrelay.bench.pipeline import bench_pipeline, results_markdown
+from kvrelay.bench.plot import plot_pipeline
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.spec import AgentSpec, Edge, Workflow, chain, hierarchy
 from kvrelay.workflows.workloads import Workload, build_workload
@@ -167,7 +167,7 @@ class _Tok:
 
 
 def test_replace_quality_summary(tiny_by_arch):
-    from kvrelay.workflows.bench import replace_quality
+    from kvrelay.bench.pipeline import replace_quality
 
     lm = tiny_by_arch["llama"]
     res = replace_quality(lm, ["review3"], 48, [0, 1], max_new_tokens=4)

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
 from kvrelay.audit.tasks import Task, load_tasks, score
-from kvrelay.errors import KVRelayError
+from kvrelay.core.errors import KVRelayError
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
-from kvrelay.relay.agent import Agent
 
 SENDER_ROLE = "You are the reader. Study the material below carefully; a colleague will ask about it."
 RECEIVER_ROLE = "You are the answerer. Answer briefly and exactly."

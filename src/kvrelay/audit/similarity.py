@@ -11,23 +11,12 @@ and hidden states read from the model's public outputs (eager attention for the 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 from transformers import DynamicCache
 
 from kvrelay.kv.cache import to_cache
-
-
-@contextmanager
-def eager_attention(model):
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
+from kvrelay.models.attention import eager_attention
 
 
 @torch.inference_mode()

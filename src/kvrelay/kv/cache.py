@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from kvrelay.kv.layout import is_sliding
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 
 
@@ -32,7 +33,7 @@ def to_cache(p: KVPayload, config) -> DynamicCache:
     T = p.num_tokens
     for i, (layer, k, v) in enumerate(zip(cache.layers, p.keys, p.values, strict=True)):
         sliding = bool(getattr(layer, "is_sliding", False))
-        if sliding != (p.meta.layer_types[i] == "sliding_attention"):
+        if sliding != is_sliding(p.meta.layer_types[i], p.meta.sliding_window):
             raise ValueError(f"layer {i}: payload says {p.meta.layer_types[i]}, model cache is_sliding={sliding}")
         layer.lazy_initialization(k, v)
         layer.keys = k  # (B, H, T_l, D)

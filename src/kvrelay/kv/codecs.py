@@ -36,7 +36,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, evict, key_norm_scores
-from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta
+from kvrelay.kv.layout import tensor_name
+from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta, payload_tensors
 from kvrelay.kv.quant import QuantizedPayload, dequantize, quantize
 from kvrelay.kv.transforms import select_layers, to_dtype
 
@@ -251,10 +252,7 @@ def _encode(p: KVPayload, enc: Encoding) -> tuple[dict[str, torch.Tensor], Paylo
         q = quantize(p, enc.bits, enc.group_size)
         return q.tensors(), q.meta
     cast = to_dtype(p, _FLOATS[enc.kind]) if _FLOATS[enc.kind] is not None else p
-    tensors = {"token_ids": p.token_ids, "positions": p.positions, "mask": p.mask}
-    for i, (k, v) in enumerate(zip(cast.keys, cast.values, strict=True)):
-        tensors[f"layers.{i}.k"], tensors[f"layers.{i}.v"] = k, v
-    return tensors, p.meta
+    return payload_tensors(cast), p.meta
 
 
 def compress(p: KVPayload, codec: str | Codec, **ctx) -> Compressed:
@@ -293,8 +291,8 @@ def decompress(c: Compressed) -> KVPayload:
     dt = DTYPES[meta.dtype]
     try:
         n = len(meta.layer_indices)
-        keys = tuple(c.tensors[f"layers.{i}.k"].to(dt) for i in range(n))
-        values = tuple(c.tensors[f"layers.{i}.v"].to(dt) for i in range(n))
+        keys = tuple(c.tensors[tensor_name(i, "k")].to(dt) for i in range(n))
+        values = tuple(c.tensors[tensor_name(i, "v")].to(dt) for i in range(n))
         t = c.tensors
         return KVPayload(keys, values, t["token_ids"], t["positions"], t["mask"], replace(meta, codec="raw"))
     except KeyError as e:

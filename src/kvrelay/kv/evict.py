@@ -59,8 +59,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvrelay.kv.layout import any_sliding, held_tokens, window_slots
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import pad_batch, unpad_row
+from kvrelay.models.attention import eager_attention
 
 MODES = ("layerwise", "headwise", "shared")
 
@@ -103,8 +105,8 @@ def attention_probe(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) ->
     ``probe_ids`` (q,) or (B, q): the receiver's question when known (best: that is who will read
     the cache). Without it the payload's last ``n_probe`` tokens are re-read as probes at the
     next positions (a stand-in for SnapKV's observation window). The model runs through its
-    public API: ``set_attn_implementation("eager")`` for the one forward that returns attention
-    weights (restored afterwards — do not share the model with another thread meanwhile).
+    public API, with eager attention for the one forward that returns attention weights
+    (``models.attention.eager_attention``).
     """
     from kvrelay.kv.cache import to_cache
 
@@ -116,13 +118,9 @@ def attention_probe(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) ->
     pos = p.next_positions[:, None] + torch.arange(q)[None]  # (B, q)
     attn_mask = None if bool(p.mask.all()) else torch.cat((p.mask, torch.ones(B, q, dtype=torch.bool)), 1)
     cache = to_cache(p, model.config)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
+    with eager_attention(model):
         out = model(input_ids=ids, position_ids=pos, cache=cache, attention_mask=attn_mask, use_cache=True,
                     output_attentions=True, logits_to_keep=1)
-    finally:
-        model.set_attn_implementation(previous)
     if out.attentions is None or len(out.attentions) != len(p.keys):
         raise RuntimeError("the model returned no per-layer attention weights for output_attentions=True")
     probs = []
@@ -163,8 +161,9 @@ def key_norm_scores(p: KVPayload) -> torch.Tensor:
 # -- what to keep ----------------------------------------------------------------------------
 def recent_floor(p: KVPayload, recent: int) -> int:
     """The recent tail actually kept: ``recent``, raised to ``window - 1`` when sliding layers are held."""
-    sliding = any(t == "sliding_attention" for t in p.meta.layer_types) and p.meta.sliding_window
-    return max(recent, p.meta.sliding_window - 1) if sliding else recent
+    if any_sliding(p.meta.layer_types, p.meta.sliding_window):
+        return max(recent, window_slots(p.meta.sliding_window))
+    return recent
 
 
 def _check(p: KVPayload, scores: torch.Tensor, keep: float, sink: int, recent: int, mode: str) -> None:
@@ -249,7 +248,7 @@ def _evict_row(p: KVPayload, scores: torch.Tensor, keep: float, sink: int, recen
     for j, (k, v) in enumerate(zip(p.keys, p.values, strict=True)):
         T_l = k.shape[2]
         if T_l < T:  # sliding: keep the original tail (inside the kept recent floor)
-            held = min(T_new, p.meta.sliding_window - 1)
+            held = held_tokens(p.meta.layer_types[j], p.meta.sliding_window, T_new)
             keys.append(k[:, :, T_l - held:])  # (1, H, held, D)
             values.append(v[:, :, T_l - held:])
             continue

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from kvrelay.kv.layout import held_tokens, tensor_name
 from kvrelay.models.identity import ModelIdentity, RopeSpec
 
 FORMAT = "kvrelay/1"
@@ -31,6 +32,10 @@ def dtype_name(dtype: torch.dtype) -> str:
         if dt == dtype:
             return name
     raise ValueError(f"unsupported payload dtype {dtype}; expected one of {sorted(DTYPES)}")
+
+
+STRING_FIELDS = ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format", "adapter")
+OPTIONAL_FIELDS = ("adapter",)  # fields a kvrelay/1 writer may omit (added after the format was first published)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,7 @@ class PayloadMeta:
     round: int = 0
     created_at: float = field(default_factory=time.time)
     format: str = FORMAT
+    adapter: str = ""  # "" = made by model_fingerprint itself; else "NAME@FINGERPRINT" of the adapter that mapped it
 
     def __post_init__(self):
         if len(self.layer_indices) != len(self.layer_types):
@@ -95,11 +101,10 @@ class PayloadMeta:
     @classmethod
     def from_strings(cls, d: dict[str, str]) -> PayloadMeta:
         names = {f for f in cls.__dataclass_fields__}
-        missing = names - set(d)
+        missing = names - set(d) - set(OPTIONAL_FIELDS)
         if missing:
             raise KeyError(f"metadata lacks {sorted(missing)}")
-        raw = {k: (d[k] if k in ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format")
-                   else json.loads(d[k])) for k in names}
+        raw = {k: (d[k] if k in STRING_FIELDS else json.loads(d[k])) for k in names if k in d}
         raw["layer_indices"] = tuple(raw["layer_indices"])
         raw["layer_types"] = tuple(raw["layer_types"])
         raw["rope"] = tuple(RopeSpec(r["layer_type"], tuple(r["inv_freq"]), r["attention_scaling"]) for r in raw["rope"])
@@ -172,10 +177,7 @@ class KVPayload:
         return last + 1
 
     def held_tokens(self, layer: int) -> int:
-        T = self.num_tokens
-        if self.meta.layer_types[layer] == "sliding_attention" and self.meta.sliding_window:
-            return min(T, self.meta.sliding_window - 1)
-        return T
+        return held_tokens(self.meta.layer_types[layer], self.meta.sliding_window, self.num_tokens)
 
     @property
     def nbytes(self) -> int:
@@ -184,3 +186,11 @@ class KVPayload:
 
     def with_meta(self, **changes) -> KVPayload:
         return replace(self, meta=replace(self.meta, **changes))
+
+
+def payload_tensors(p: KVPayload) -> dict[str, torch.Tensor]:
+    """The named tensors of a payload as the wire format and the byte stores hold them (``kv.layout``)."""
+    out = {"token_ids": p.token_ids, "positions": p.positions, "mask": p.mask}
+    for i, (k, v) in enumerate(zip(p.keys, p.values, strict=True)):
+        out[tensor_name(i, "k")], out[tensor_name(i, "v")] = k, v
+    return out

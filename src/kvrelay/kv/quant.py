@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvrelay.kv.layout import tensor_name
 from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta
 
 BITS = (4, 8)
+QUANT_PARTS = ("codes", "scale", "zero")  # side tensors per K/V: layers.{i}.k.codes, ...
 SCALE_DTYPE = torch.float16
 
 
@@ -82,9 +84,8 @@ class QuantizedPayload:
         out: dict[str, torch.Tensor] = {"token_ids": self.token_ids, "positions": self.positions, "mask": self.mask}
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             for kv, q in (("k", k), ("v", v)):
-                out[f"layers.{i}.{kv}.codes"] = q.codes
-                out[f"layers.{i}.{kv}.scale"] = q.scale
-                out[f"layers.{i}.{kv}.zero"] = q.zero
+                for part in QUANT_PARTS:
+                    out[tensor_name(i, kv, part)] = getattr(q, part)
         return out
 
     @classmethod
@@ -92,7 +93,7 @@ class QuantizedPayload:
                      group_size: int) -> QuantizedPayload:
         n = len(meta.layer_indices)
         try:
-            layers = [[QuantizedTensor(*(tensors[f"layers.{i}.{kv}.{f}"] for f in ("codes", "scale", "zero")))
+            layers = [[QuantizedTensor(*(tensors[tensor_name(i, kv, f)] for f in QUANT_PARTS))
                        for i in range(n)] for kv in ("k", "v")]
             return cls(bits, group_size, tuple(layers[0]), tuple(layers[1]), tensors["token_ids"],
                        tensors["positions"], tensors["mask"], meta)

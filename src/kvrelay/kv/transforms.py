@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from kvrelay.kv.layout import held_tokens
 from kvrelay.kv.payload import DTYPES, KVPayload, dtype_name
 from kvrelay.kv.rope import rotate_keys
 
@@ -54,7 +55,7 @@ def select_tokens(p: KVPayload, index: torch.Tensor | Sequence[int]) -> KVPayloa
         if held == T:
             sel = index
         else:
-            need = index[-min(T_new, p.meta.sliding_window - 1):]
+            need = index[-held_tokens(p.meta.layer_types[j], p.meta.sliding_window, T_new):]
             start = T - held
             if int(need[0]) < start:
                 raise ValueError(
@@ -98,7 +99,7 @@ def concat(a: KVPayload, b: KVPayload) -> KVPayload:
     T = a.num_tokens + b.num_tokens
     keys, values = [], []
     for j in range(len(a.keys)):
-        held = T if a.meta.layer_types[j] != "sliding_attention" else min(T, a.meta.sliding_window - 1)
+        held = held_tokens(a.meta.layer_types[j], a.meta.sliding_window, T)
         keys.append(torch.cat((a.keys[j], b.keys[j]), dim=2)[:, :, -held:])  # (B, H, T_l, D)
         values.append(torch.cat((a.values[j], b.values[j]), dim=2)[:, :, -held:])
     return _with(a, keys, values, token_ids=torch.cat((a.token_ids, b.token_ids), 1),
@@ -125,7 +126,7 @@ def pad_batch(payloads: Sequence[KVPayload]) -> KVPayload:
 
     keys, values = [], []
     for j in range(len(first.keys)):
-        held = T if first.meta.layer_types[j] != "sliding_attention" else min(T, first.meta.sliding_window - 1)
+        held = held_tokens(first.meta.layer_types[j], first.meta.sliding_window, T)
         keys.append(torch.cat([left(q.keys[j], held, 0) for q in payloads], 0))  # (B, H, T_l, D)
         values.append(torch.cat([left(q.values[j], held, 0) for q in payloads], 0))
     return _with(first, keys, values,

@@ -41,8 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrelay.errors import CorruptPayload, IncompatiblePayload
-from kvrelay.kv.payload import DTYPES, FORMAT, KVPayload, PayloadMeta
+from kvrelay.core.errors import CorruptPayload
+from kvrelay.kv.compat import check_meta
+from kvrelay.kv.layout import TOKEN_TENSORS, held_tokens, kv_tensor_names, tensor_name
+from kvrelay.kv.payload import DTYPES, FORMAT, KVPayload, PayloadMeta, payload_tensors
 from kvrelay.models.identity import ModelIdentity
 
 MAX_HEADER_BYTES = 16 << 20  # a 100-layer payload's header is ~30 KB; anything near this is hostile
@@ -288,14 +290,6 @@ def _file_header(f, max_header_bytes: int) -> Header:
 
 
 # -- high level: KVPayload <-> bytes / files ---------------------------------------------------
-def payload_tensors(p: KVPayload) -> dict[str, torch.Tensor]:
-    """The named tensors of a payload as the format stores them."""
-    out = {"token_ids": p.token_ids, "positions": p.positions, "mask": p.mask}
-    for i, (k, v) in enumerate(zip(p.keys, p.values, strict=True)):
-        out[f"layers.{i}.k"], out[f"layers.{i}.v"] = k, v
-    return out
-
-
 def encode(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -> bytes:
     """``KVPayload`` -> kvrelay/1 bytes. ``extra_meta`` (e.g. a store's expiry) is checksummed too."""
     return b"".join(encode_parts(p, extra_meta=extra_meta))
@@ -318,29 +312,19 @@ def _payload_meta(h: Header) -> PayloadMeta:
 
 
 def _check_expected(m: PayloadMeta, expect: ModelIdentity | None) -> None:
-    if expect is None:
-        return
-    held_types = tuple(expect.layer_types[i] if i < expect.num_layers else "?" for i in m.layer_indices)
-    for field, mine, theirs in (("model_fingerprint", expect.fingerprint, m.model_fingerprint),
-                                ("tokenizer_hash", expect.tokenizer_hash, m.tokenizer_hash),
-                                ("num_model_layers", expect.num_layers, m.num_model_layers),
-                                ("layer_types", held_types, m.layer_types),
-                                ("sliding_window", expect.sliding_window, m.sliding_window)):
-        if mine != theirs:
-            raise IncompatiblePayload(field, mine, theirs)
+    if expect is not None:
+        check_meta(m, expect)
 
 
 def _held(m: PayloadMeta, j: int, T: int) -> int:
-    """Slots held by held layer ``j`` of a ``T``-slot payload (sliding layers keep ``window - 1``)."""
-    if m.layer_types[j] == "sliding_attention" and m.sliding_window:
-        return min(T, m.sliding_window - 1)
-    return T
+    """Slots held by held layer ``j`` of a ``T``-slot payload."""
+    return held_tokens(m.layer_types[j], m.sliding_window, T)
 
 
 def _check_layout(h: Header, m: PayloadMeta) -> tuple[int, int]:
     """Shapes and dtypes in the header against the metadata, before reading anything; returns (B, T)."""
     t = h.tensors
-    need = ["token_ids", "positions", "mask"] + [f"layers.{j}.{kv}" for j in range(len(m.layer_indices)) for kv in "kv"]
+    need = [*TOKEN_TENSORS, *kv_tensor_names(len(m.layer_indices))]
     missing = [n for n in need if n not in t]
     if missing:
         raise CorruptPayload(f"payload lacks tensors {missing} (metadata lists {len(m.layer_indices)} layers)")
@@ -353,8 +337,8 @@ def _check_layout(h: Header, m: PayloadMeta) -> tuple[int, int]:
             raise CorruptPayload(f"{name} is {t[name].dtype} {list(t[name].shape)}, expected {code} {[B, T]}")
     want = _PAYLOAD_DTYPE_CODES[m.dtype]
     for j in range(len(m.layer_indices)):
-        k, v = t[f"layers.{j}.k"], t[f"layers.{j}.v"]
-        for name, e in ((f"layers.{j}.k", k), (f"layers.{j}.v", v)):
+        k, v = t[tensor_name(j, "k")], t[tensor_name(j, "v")]
+        for name, e in ((tensor_name(j, "k"), k), (tensor_name(j, "v"), v)):
             if e.dtype != want:
                 raise CorruptPayload(f"{name} is stored as {e.dtype} but the metadata declares dtype {m.dtype} ({want})")
         held = _held(m, j, T)
@@ -388,7 +372,7 @@ def _slots(m: PayloadMeta, j: int, T: int, r: range) -> slice:
     held = _held(m, j, T)
     if held == T:
         return slice(r.start, r.stop)
-    keep = min(len(r), m.sliding_window - 1)
+    keep = held_tokens(m.layer_types[j], m.sliding_window, len(r))
     start = T - held  # slot of the layer's first held token
     if r.stop - keep < start:
         raise ValueError(f"layer {m.layer_indices[j]} is a sliding-window layer holding slots {start}..{T - 1}; "
@@ -410,8 +394,8 @@ def _decode(buf: memoryview, h: Header, expect, layers, tokens, verify: bool) ->
     keys, values = [], []
     for j in js:
         sl = (slice(None), slice(None), _slots(m, j, T, r))  # (B, H, T_l, D) -> (B, H, T'_l, D)
-        keys.append(read(f"layers.{j}.k", sl))
-        values.append(read(f"layers.{j}.v", sl))
+        keys.append(read(tensor_name(j, "k"), sl))
+        values.append(read(tensor_name(j, "v"), sl))
     meta = replace(m, layer_indices=tuple(m.layer_indices[j] for j in js),
                    layer_types=tuple(m.layer_types[j] for j in js))
     try:

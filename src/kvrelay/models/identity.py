@@ -55,12 +55,6 @@ class ModelIdentity:
                 return spec
         raise KeyError(layer_type)
 
-    def held_tokens(self, layer: int, total: int) -> int:
-        """How many of ``total`` tokens a layer's cache keeps (sliding layers keep window - 1)."""
-        if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
-            return min(total, self.sliding_window - 1)
-        return total
-
 
 def _canonical_config(config) -> str:
     d = config.to_dict()

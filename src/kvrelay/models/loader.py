@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.errors import UnknownModel
+from kvrelay.core.errors import UnknownModel
+from kvrelay.core.paths import home
 from kvrelay.models.identity import ModelIdentity, model_identity
 from kvrelay.models.zoo import ZOO, entry, file_sha256, pull, read_manifest
-from kvrelay.paths import home
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

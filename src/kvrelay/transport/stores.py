@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kvrelay.errors import CorruptPayload
+from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv import wire
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
-from kvrelay.relay.keys import (
+from kvrelay.transport.keys import (
     BLOCK_TOKENS,
     PrefixEntry,
     Tokens,

@@ -9,12 +9,12 @@ import subprocess
 
 import pytest
 
-from kvrelay.relay import netem
-from kvrelay.relay.transfer_bench import (
+from kvrelay.bench.transfer import (
     bench_transfer,
     closed_form_break_even_mbps,
     measured_break_even_mbps,
 )
+from kvrelay.transport import netem
 
 CONTRACT = ("store", "codec", "context_tokens", "raw_bytes", "payload_bytes", "encode_s", "put_s", "get_s",
             "decode_s", "overhead_s", "saved_prefill_s", "overhead_fraction")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvrelay.errors import KVRelayError
+from kvrelay.core.errors import KVRelayError
 
 INSTALL_HINT = "install it with `apt-get install redis-server` (Debian/Ubuntu) or pass --redis-url"
 

@@ -13,8 +13,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvrelay.errors import FetchError
-from kvrelay.paths import subdir
+from kvrelay.core.errors import FetchError
+from kvrelay.core.paths import subdir
 
 
 def wheel_dir(requirement: str) -> Path:

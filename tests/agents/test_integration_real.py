@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvrelay.agents.agent import Agent
 from kvrelay.cli import app
 from kvrelay.models.loader import load_model
-from kvrelay.relay.agent import Agent
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"

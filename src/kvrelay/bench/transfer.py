@@ -50,10 +50,10 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.bench.relay import QUESTION, context_ids
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.cache import to_cache
 from kvrelay.kv.payload import KVPayload, dtype_name
-from kvrelay.relay.bench import QUESTION, context_ids
 
 STORES = ("memory", "disk", "redis")
 CODECS = ("raw", "fp16", "int8", "int4", "evict:0.2")
@@ -114,7 +114,7 @@ def _prefill(model, ids: list[int], start: int = 0, cache=None):
     """Seconds for one forward of ``ids`` at positions ``start..`` on ``cache`` (a fresh one if None)."""
     from transformers import DynamicCache
 
-    from kvrelay.relay.generate import forward_last
+    from kvrelay.models.generate import forward_last
 
     cache = DynamicCache(config=model.config) if cache is None else cache
     ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
@@ -283,9 +283,9 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
 
     ``bracket_codecs`` also cross the link at half and twice their closed-form break-even, so the
     measured figure is interpolated between two measured rates rather than left as a bound."""
-    from kvrelay.relay.agent import Agent
-    from kvrelay.relay.redis_server import redis_url_or_private
-    from kvrelay.relay.stores import DiskStore, MemoryStore, RedisStore, put_payload
+    from kvrelay.agents.agent import Agent
+    from kvrelay.transport.redis_server import redis_url_or_private
+    from kvrelay.transport.stores import DiskStore, MemoryStore, RedisStore, put_payload
 
     say = progress or (lambda s: None)
     for s in stores:
@@ -434,7 +434,7 @@ def _bench_links(per_size: dict, codec_rows: list[dict], rates, say, bracket=("r
                  max_transfer_s: float = 300.0) -> tuple[list[LinkRow], str]:
     """Every codec at every rate in ``rates``; the ``bracket`` codecs also at half and twice their
     closed-form break-even (when that is not near a listed rate and the send takes <= ``max_transfer_s``)."""
-    from kvrelay.relay import netem
+    from kvrelay.transport import netem
 
     ok, why = netem.available()
     if not ok:

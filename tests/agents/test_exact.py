@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.agents.agent import Agent
 from kvrelay.kv.cache import to_cache
 from kvrelay.kv.transforms import pad_batch, shift_positions, unpad_row
-from kvrelay.relay.agent import Agent
-from kvrelay.relay.generate import forward_all
+from kvrelay.models.generate import forward_all
 from tests.conftest import random_ids
 
 TOL = 1e-4

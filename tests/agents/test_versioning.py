@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.errors import IncompatiblePayload, StalePayload
+from kvrelay.agents.agent import Agent
+from kvrelay.core.errors import IncompatiblePayload, StalePayload
 from kvrelay.kv.transforms import select_layers
 from kvrelay.models.tiny import tiny_lm
-from kvrelay.relay.agent import Agent
 from tests.conftest import random_ids
 
 

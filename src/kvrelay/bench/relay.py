@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvrelay.corpus import prose
-from kvrelay.relay.agent import Agent
+from kvrelay.agents.agent import Agent
+from kvrelay.core.corpus import prose
 
 QUESTION = "In one sentence, what is the main topic of the text above?"
 

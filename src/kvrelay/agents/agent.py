@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.errors import IncompatiblePayload, StalePayload
+from kvrelay.agents.receive import RoundBook, receive
+from kvrelay.fuse.adapter import Adapter
 from kvrelay.kv.cache import from_cache, to_cache
-from kvrelay.kv.payload import FORMAT, KVPayload, PayloadMeta
+from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.transforms import concat, pad_batch, shift_positions
-from kvrelay.relay.generate import forward_last, generate
-from kvrelay.relay.prompt import PromptFormat, format_for
+from kvrelay.models.generate import forward_last, generate
+from kvrelay.models.prompt import PromptFormat, format_for
 
 LAYOUTS = ("continue", "replace")
 Context = KVPayload | str | Sequence[int] | torch.Tensor | None
@@ -54,7 +55,7 @@ class Agent:
     """One role on one loaded model. State: a round counter and the rounds it holds per producer."""
 
     def __init__(self, lm, name: str = "agent", role: str = "", *, max_new_tokens: int = 64,
-                 fmt: PromptFormat | None = None):
+                 fmt: PromptFormat | None = None, adapter: Adapter | None = None):
         self.lm = lm
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -64,7 +65,8 @@ class Agent:
         self.max_new_tokens = max_new_tokens
         self.fmt = fmt or format_for(self.tokenizer)
         self.round = 0
-        self._held: dict[str, int] = {}
+        self.adapter = adapter  # maps payloads of other models (kvrelay.fuse); None: same model only
+        self._rounds = RoundBook()
         self.stop_ids = self._stop_ids()
 
     # -- tokens ------------------------------------------------------------------------------
@@ -130,30 +132,10 @@ class Agent:
         return DynamicCache(config=self.model.config)
 
     # -- receiving ---------------------------------------------------------------------------
-    def check(self, p: KVPayload) -> None:
-        """Raise unless ``p`` is provably usable here; record its round for staleness checks."""
-        m, ident = p.meta, self.identity
-        for fieldname, mine, theirs in (("format", FORMAT, m.format),
-                                        ("model_fingerprint", ident.fingerprint, m.model_fingerprint),
-                                        ("tokenizer_hash", ident.tokenizer_hash, m.tokenizer_hash)):
-            if mine != theirs:
-                raise IncompatiblePayload(fieldname, mine, theirs)
-        if not m.complete:
-            raise IncompatiblePayload("layer_indices", tuple(range(ident.num_layers)), m.layer_indices,
-                                      "a receiver needs every layer")
-        for fieldname, mine, theirs in (("layer_types", ident.layer_types, tuple(m.layer_types)),
-                                        ("sliding_window", ident.sliding_window, m.sliding_window)):
-            if mine != theirs:
-                raise IncompatiblePayload(fieldname, mine, theirs)
-        if m.codec != "raw":
-            raise IncompatiblePayload("codec", "raw", m.codec, "decode the payload with its codec first")
-        if p.keys[0].shape[1] != ident.num_kv_heads or p.keys[0].shape[3] != ident.head_dim:
-            raise IncompatiblePayload("kv_shape", (ident.num_kv_heads, ident.head_dim),
-                                      (p.keys[0].shape[1], p.keys[0].shape[3]))
-        held = self._held.get(m.producer)
-        if held is not None and m.round < held:
-            raise StalePayload(m.round, held, m.producer)
-        self._held[m.producer] = max(held or 0, m.round)
+    def check(self, p: KVPayload) -> KVPayload:
+        """The payload this agent may attend to — ``p``, or ``p`` through its adapter — or a typed error
+        (``IncompatiblePayload``, ``StalePayload``); records its round (see ``agents.receive``)."""
+        return receive(p, self.identity, self._rounds, self.adapter)
 
     def _prefix_payload(self) -> KVPayload | None:
         ids = self.encode(self.fmt.system(self.role))
@@ -176,7 +158,7 @@ class Agent:
         t0 = time.perf_counter()
         relayed = 0
         if isinstance(context, KVPayload):
-            self.check(context)
+            context = self.check(context)
             if context.batch_size != 1:
                 raise ValueError("respond takes one payload; use respond_batch for a batch")
             if layout == "replace":
@@ -247,8 +229,7 @@ class Agent:
         if any(relayed) and not all(relayed):
             raise ValueError("a batch mixes relayed payloads and text contexts; split it by channel")
         if all(relayed):
-            for c in contexts:
-                self.check(c)
+            contexts = [self.check(c) for c in contexts]
             ids = [self.prompt_ids(p) for p in prompts]
         else:
             ids = [self._context_ids(c) + self.prompt_ids(p) for p, c in zip(prompts, contexts, strict=True)]

@@ -74,7 +74,7 @@ def audit(
     from kvrelay.audit.runner import AuditRunner
     from kvrelay.audit.similarity import similarity_rows
     from kvrelay.audit.tasks import load_tasks
-    from kvrelay.models.cli_load import load_for_cli
+    from kvrelay.cli.common import load_for_cli
 
     cfg = preset(preset_name, model=model, tasks=_csv(tasks), arms=_csv(arms),
                  seeds=tuple(int(s) for s in _csv(seeds)) if seeds else None, limit=limit, batch_size=batch_size)

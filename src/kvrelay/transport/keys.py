@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrelay.kv.layout import any_sliding
 from kvrelay.kv.payload import KVPayload
 
 SCHEME = "kvrelay/1"
@@ -156,7 +157,7 @@ def prefix_entries(key: str, p: KVPayload, block: int = BLOCK_TOKENS) -> list[tu
     fp, T = p.meta.model_fingerprint, len(ids)
     hashes = block_hashes(fp, ids, block)
     full = sequence_hash(fp, ids, block)
-    if "sliding_attention" in p.meta.layer_types:
+    if any_sliding(p.meta.layer_types, p.meta.sliding_window):
         i = (T - 1) // block  # the boundary before the last (possibly partial) block
         return [(hashes[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:]), False, full))]
     return [(hashes[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:(i + 1) * block]), True, full))

@@ -1,5 +1,5 @@
 """``kvrelay bench transfer`` (mounted under ``bench`` by the root CLI); also
-``python -m kvrelay.relay.transfer_cli transfer ...``."""
+``python -m kvrelay.cli.transfer transfer ...``."""
 
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def transfer(
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
 ) -> None:
     """Relay overhead per store x codec x size vs the prefill it saves; break-even bandwidth over emulated links."""
-    from kvrelay.models.cli_load import load_for_cli
-    from kvrelay.relay.transfer_bench import bench_transfer, load_pipeline
+    from kvrelay.bench.transfer import bench_transfer, load_pipeline
+    from kvrelay.cli.common import load_for_cli
 
     lm = load_for_cli(model, threads)
     res = bench_transfer(lm, [int(x) for x in _split(context_tokens)], stores=_split(stores), codec_names=_split(codecs),

@@ -37,7 +37,7 @@ def _median(xs) -> float:
 
 def warm_up(lm) -> None:
     """One short generation so lazy initialisation does not land in the first timed run."""
-    from kvrelay.relay.agent import Agent
+    from kvrelay.agents.agent import Agent
 
     Agent(lm, "warmup").respond("hello", max_new_tokens=2)
 

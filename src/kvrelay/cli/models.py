@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvrelay.errors import KVRelayError
+from kvrelay.core.errors import KVRelayError
 from kvrelay.models.zoo import DEFAULT_MODEL, ZOO, converted_dir, folder_bytes, is_pulled, pull
 
 app = typer.Typer(help="The offline model zoo: list, pull (fetch + verify + convert) and inspect models.",

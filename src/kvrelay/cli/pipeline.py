@@ -1,5 +1,5 @@
 """``kvrelay bench pipeline`` (mounted under ``bench`` by the root CLI); also
-``python -m kvrelay.workflows.cli pipeline ...``."""
+``python -m kvrelay.cli.pipeline pipeline ...``."""
 
 from __future__ import annotations
 
@@ -78,9 +78,9 @@ def pipeline(
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
 ) -> None:
     """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
-    from kvrelay.models.cli_load import load_for_cli
-    from kvrelay.workflows.bench import bench_pipeline
-    from kvrelay.workflows.plot import plot_pipeline
+    from kvrelay.bench.pipeline import bench_pipeline
+    from kvrelay.bench.plot import plot_pipeline
+    from kvrelay.cli.common import load_for_cli
 
     lm = load_for_cli(model, threads)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
@@ -91,7 +91,7 @@ def pipeline(
     if backend == "ray":
         import ray
 
-        from kvrelay.relay.ray_backend import ModelSpec, RayWorkflowRunner
+        from kvrelay.workflows.ray_executor import ModelSpec, RayWorkflowRunner
 
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if ray_address else {"num_cpus": 2}))
@@ -124,8 +124,8 @@ def replace_quality_cmd(
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
 ) -> None:
     """The replace layout's quality cost: outputs vs text mode and exact match on a known fact."""
-    from kvrelay.models.cli_load import load_for_cli
-    from kvrelay.workflows.bench import replace_quality
+    from kvrelay.bench.pipeline import replace_quality
+    from kvrelay.cli.common import load_for_cli
 
     lm = load_for_cli(model, threads)
     res = replace_quality(lm, [w.strip() for w in workflows.split(",") if w.strip()], context_tokens,

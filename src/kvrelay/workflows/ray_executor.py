@@ -122,7 +122,7 @@ class AgentActor:
 
     def reset(self) -> None:
         """A fresh ``Agent`` (round counter, staleness records) on the loaded model: one per run."""
-        from kvrelay.relay.agent import Agent
+        from kvrelay.agents.agent import Agent
 
         self.agent = Agent(self.lm, self.name, self.role, max_new_tokens=self.max_new_tokens)
 

@@ -58,8 +58,8 @@ def relay(
     json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
 ):
     """One sender -> receiver relay: the receiver answers from the relayed cache and from the text; both shown."""
+    from kvrelay.agents.agent import Agent
     from kvrelay.models.loader import load_model
-    from kvrelay.relay.agent import Agent
 
     lm = load_model(model)
     sender = Agent(lm, "sender", role="You are a careful reader. Read the document.")
@@ -92,8 +92,8 @@ def bench_relay_cmd(
     json_path: Path | None = typer.Option(None, "--json"),
 ):
     """Receiver TTFT with a relayed cache vs re-encoding the same context, side by side."""
-    from kvrelay.models.cli_load import load_for_cli
-    from kvrelay.relay.bench import bench_relay
+    from kvrelay.bench.relay import bench_relay
+    from kvrelay.cli.common import load_for_cli
 
     sizes = [int(x) for x in context_tokens.split(",") if x.strip()]
     lm = load_for_cli(model, threads)
@@ -110,10 +110,10 @@ def bench_relay_cmd(
     write_json(json_path, res)
 
 
-_mount(app, "kvrelay.models.cli", "models", "The model zoo: list, pull, info.")
-_mount(app, "kvrelay.audit.cli", "audit", "Causal audit of relayed caches: effects with CIs, report.")
-_mount(bench_app, "kvrelay.workflows.cli", None)
-_mount(bench_app, "kvrelay.relay.transfer_cli", None)
+_mount(app, "kvrelay.cli.models", "models", "The model zoo: list, pull, info.")
+_mount(app, "kvrelay.cli.audit", "audit", "Causal audit of relayed caches: effects with CIs, report.")
+_mount(bench_app, "kvrelay.cli.pipeline", None)
+_mount(bench_app, "kvrelay.cli.transfer", None)
 
 
 def main() -> None:  # pragma: no cover - console entry
