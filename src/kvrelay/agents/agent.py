@@ -1,6 +1,6 @@
 """``Agent``: a model plus a role, that reads text into a payload and responds with or without one.
 
-Two position layouts for a relayed payload (DESIGN §2, seed 000 §2.2):
+Two position layouts for a relayed payload (docs/architecture.md):
 
 * ``continue`` — the receiver's tokens follow the relayed ones at the next positions (one
   global position counter across agents). Exact: the receiver computes what it would have

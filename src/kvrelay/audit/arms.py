@@ -1,4 +1,4 @@
-"""Audit arms (DESIGN.md §6): what the receiver gets in place of the relayed cache.
+"""Audit arms (docs/audit.md): what the receiver gets in place of the relayed cache.
 
 Every arm is built only from the public payload transforms and codecs — the audit is a client of
 the library. An ``Arm`` is parsed from its name once; ``build`` turns the sender's matched

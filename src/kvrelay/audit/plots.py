@@ -1,6 +1,6 @@
 """Figures of an audit report as PNG bytes: forest plot, dose-response, CATE, cost-benefit, similarity.
 
-Each function takes rows of ``summary.json`` (DESIGN.md §7; success in points, effects ``A − B``)
+Each function takes rows of ``summary.json`` (docs/json.md; success in points, effects ``A − B``)
 and returns PNG bytes, or None when the rows hold nothing to plot. Figures use matplotlib's
 object API on an Agg canvas — no pyplot, no backend switch — so drawing a report never changes
 the caller's matplotlib state and needs no display.

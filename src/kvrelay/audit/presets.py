@@ -41,7 +41,7 @@ PRESETS: dict[str, AuditConfig] = {
         n_boot=2000,
         preset="full",
     ),
-    # Dose-response and ablations (seed 004 §3.2 step 4): noise, layer and token subsets, text message.
+    # Dose-response and ablations: noise, layer and token subsets, text message.
     "dose": AuditConfig(
         model="qwen2.5-coder-0.5b",
         tasks=("gen_easy", "arc_challenge"),

@@ -217,7 +217,7 @@ FIXED_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_ze
 
 
 def _arm_order(arms: set[str]) -> list[str]:
-    """The fixed arms in DESIGN.md §6 order, then dial arms sorted."""
+    """The fixed arms in the order of docs/audit.md, then dial arms sorted."""
     return [a for a in FIXED_ARMS if a in arms] + sorted(arms - set(FIXED_ARMS))
 
 

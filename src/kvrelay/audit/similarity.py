@@ -1,4 +1,4 @@
-"""Similarity analysis (seed 004 §3.2 step 4): how the receiver's internals change with the relay.
+"""Similarity analysis: how the receiver's internals change with the relay.
 
 For a sample of tasks, one receiver prefill of its prompt per condition, with attention weights
 and hidden states read from the model's public outputs (eager attention for the duration):

@@ -1,7 +1,7 @@
 """Statistics of the causal audit: paired effects, equivalence, CATE, dose-response, cost-benefit.
 
 Entry point: :func:`summarize` turns trial records (``records.jsonl``) into the body of
-``summary.json`` (DESIGN.md §7); :func:`verdict` phrases it in plain language.
+``summary.json`` (fields in docs/json.md); :func:`verdict` phrases it in plain language.
 
 Conventions, stated once:
 - Every effect is a paired difference ``arm A − arm B`` (contrasts in
@@ -279,7 +279,7 @@ def summarize(
     n_bins: int = 4,
     max_distinct: int = 6,
 ) -> dict:
-    """The ``summary.json`` body of DESIGN.md §7 (the caller adds ``model``).
+    """The ``summary.json`` body (docs/json.md; the caller adds ``model``).
 
     Keys: ``n_tasks`` (distinct task-set/task_id pairs), ``tasks`` (per task set), ``seeds``,
     ``effects`` (per regime × task set and pooled ``ALL`` × present contrast × outcome; success in

@@ -1,6 +1,6 @@
 """Plain-language verdict of an audit summary, compared with the paper's findings.
 
-The paper (ANCHORS.md, arXiv 2608.04893): in the private-information regime a matched relay
+The paper ("When Does Latent Communication Pay? A Causal Audit of Relayed KV Caches", arXiv 2608.04893): in the private-information regime a matched relay
 beats irrelevant relays by +61 to +77 points; on natural (shared) benchmarks matched and
 mismatched caches are equivalent within ±2.8 points (Holm-corrected TOST). The verdict says,
 per regime, what this run found and whether it agrees — including when it is inconclusive.

@@ -1,7 +1,7 @@
 """``bench pipeline``: text vs kv runs of one workflow, interleaved in one process, medians.
 
 Each repeat runs both modes back to back, alternating which goes first, so drift in machine
-load (shared CPUs) hits both alike. Reported (DESIGN §7):
+load (shared CPUs) hits both alike. Reported (docs/json.md):
 
 * ``text_s`` / ``kv_s`` — median wall time of a whole run; ``speedup = text_s / kv_s``.
 * ``ideal_speedup = text_s / (text_s - avoided_s)``: what kv would reach if relaying cost
@@ -53,7 +53,7 @@ def _common_prefix(a, b) -> int:
 
 def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
                    warmup: bool = True, progress=None, run=None) -> dict:
-    """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the DESIGN §7 dict.
+    """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the dict of docs/json.md.
 
     ``run(workflow, context, mode) -> RunTrace`` picks the backend (default: in-process
     ``run_workflow``; ``RayWorkflowRunner.run`` runs every agent as a Ray actor).

@@ -4,7 +4,7 @@ the prefill it saves — and, over emulated links, the bandwidth below which tex
 Everything is measured in one process on one model, interleaved (each repeat runs every codec
 and store in a rotated order), and reported as medians over repeats.
 
-**Store rows** (DESIGN §7). One relay = ``encode → put → get → decode``:
+**Store rows** (docs/json.md). One relay = ``encode → put → get → decode``:
 
 * ``encode_s`` — the codec (``codecs.compress``; eviction includes its attention probe);
 * ``put_s`` / ``get_s`` — the store's own API (``put_payload`` / ``get``): serialisation to
@@ -58,7 +58,7 @@ from kvrelay.kv.payload import KVPayload, dtype_name
 STORES = ("memory", "disk", "redis")
 CODECS = ("raw", "fp16", "int8", "int4", "evict:0.2")
 RATES_MBIT = (10.0, 30.0, 100.0, 1000.0)
-TARGET_OVERHEAD = 0.05  # DESIGN §8: relay overhead <= 5% of the prefill it saves
+TARGET_OVERHEAD = 0.05  # target: relay overhead <= 5% of the prefill it saves
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +279,7 @@ def bench_transfer(lm, sizes: list[int], *, stores=STORES, codec_names=CODECS, r
                    redis_url: str | None = None, disk_dir: str | os.PathLike | None = None,
                    rates_mbit=RATES_MBIT, link: bool = True, bracket_codecs=("raw",), pipeline: dict | None = None,
                    progress=None) -> dict:
-    """The DESIGN §7 ``bench transfer`` dict (plus ``links``, ``break_even``, ``codecs``, ``pipeline_over_link``).
+    """The ``bench transfer`` dict (docs/json.md) (plus ``links``, ``break_even``, ``codecs``, ``pipeline_over_link``).
 
     ``bracket_codecs`` also cross the link at half and twice their closed-form break-even, so the
     measured figure is interpolated between two measured rates rather than left as a bound."""

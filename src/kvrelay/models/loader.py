@@ -1,4 +1,4 @@
-"""Load a causal LM by zoo name, local folder, GGUF file or transformers id (DESIGN.md §4).
+"""Load a causal LM by zoo name, local folder, GGUF file or transformers id (docs/models.md).
 
 Every route ends in the same ``LoadedModel``: an eval-mode model (``sdpa`` attention, eager
 where sdpa is unsupported), its tokenizer, and its ``ModelIdentity``. The fingerprint is made

