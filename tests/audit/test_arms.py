@@ -28,8 +28,8 @@ def payloads(lm, n=40):
 
 
 def test_parse_arm_names_and_errors():
-    assert parse_arm("kv_noise:0.5").spec == "0.5"
-    assert parse_arm("kv_codec:evict:0.2+int8").kind == "kv_codec"
+    assert parse_arm("kv_noise:0.5").dial == "0.5"
+    assert parse_arm("kv_codec:evict:0.2+int8").base == "kv_codec"
     for bad in ("kv_noise", "kv_tokens:middle:0.5", "kv_tokens:first:1.5", "kv_codec:zip", "telepathy", "kv:1"):
         with pytest.raises(ValueError):
             parse_arm(bad)

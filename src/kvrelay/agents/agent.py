@@ -46,10 +46,6 @@ class Response:
     layout: str
     payload: KVPayload | None = field(default=None, repr=False)  # state after answering, when asked for
 
-    @property
-    def total_s(self) -> float:
-        return self.ttft_s + self.decode_s
-
 
 class Agent:
     """One role on one loaded model. State: a round counter and the rounds it holds per producer."""

@@ -23,62 +23,19 @@ context: a ``KVPayload`` for cache arms, token ids / text for text arms, ``None`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from kvrelay.audit.vocab import ArmName as Arm
+from kvrelay.audit.vocab import parse_arm as parse_arm_name
 from kvrelay.kv import transforms as T
 from kvrelay.kv.payload import KVPayload
 
-BASE_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
-DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec")
-
-
-@dataclass(frozen=True, slots=True)
-class Arm:
-    name: str  # full name as written, e.g. "kv_noise:0.5"
-    kind: str  # "none" | "text_message" | ... | "kv_noise" | ...
-    spec: str = ""
-
-    @property
-    def is_kv(self) -> bool:
-        return self.kind.startswith("kv")
-
-    @property
-    def needs_mismatch(self) -> bool:
-        return self.kind in ("kv_mismatched", "kv_layers")
-
-    @property
-    def stochastic(self) -> bool:
-        """Depends on the seed: random draws."""
-        return self.kind in ("kv_random", "kv_noise")
-
 
 def parse_arm(name: str) -> Arm:
-    kind, _, spec = name.strip().partition(":")
-    if kind in BASE_ARMS and not spec:
-        return Arm(name.strip(), kind)
-    if kind in DIAL_ARMS and spec:
-        arm = Arm(name.strip(), kind, spec)
-        if kind == "kv_noise":
-            if float(spec) < 0:
-                raise ValueError(f"{name}: noise sigma must be >= 0")
-        elif kind == "kv_tokens":
-            how, _, frac = spec.partition(":")
-            if how not in ("first", "last", "topk") or not 0 < float(frac) <= 1:
-                raise ValueError(f"{name}: expected kv_tokens:first|last|topk:FRACTION in (0, 1]")
-        elif kind == "kv_codec":
-            from kvrelay.kv.codecs import available_codecs, parse
-
-            try:
-                parse(spec)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e} (available: {', '.join(available_codecs())})") from None
-        return arm
-    raise ValueError(
-        f"unknown arm {name!r}; expected one of {', '.join(BASE_ARMS)} or "
-        "kv_noise:SIGMA, kv_layers:SPEC, kv_tokens:first|last|topk:FRAC, kv_codec:NAME"
-    )
+    """The arm called ``name``, validated (``audit.vocab.parse_arm``); ``ValueError`` otherwise."""
+    return parse_arm_name(name)
 
 
 def layer_subset(spec: str, n_layers: int) -> list[int]:
@@ -122,33 +79,33 @@ def _token_subset(p: KVPayload, spec: str, scores: torch.Tensor | None) -> KVPay
 def build_kv(arm: Arm, matched: KVPayload, mismatched: KVPayload | None, generator: torch.Generator,
              model=None) -> tuple[KVPayload, int]:
     """The payload a cache arm relays, and its size in bytes on the wire."""
-    if arm.kind == "kv":
+    if arm.base == "kv":
         return matched, matched.nbytes
-    if arm.kind == "kv_mismatched":
+    if arm.base == "kv_mismatched":
         if mismatched is None:
             raise ValueError("kv_mismatched needs another task's payload")
         return mismatched, mismatched.nbytes
-    if arm.kind == "kv_zeroed":
+    if arm.base == "kv_zeroed":
         return T.zeroed(matched), matched.nbytes
-    if arm.kind == "kv_random":
+    if arm.base == "kv_random":
         return T.moment_matched_random(matched, generator), matched.nbytes
-    if arm.kind == "kv_noise":
-        return T.with_noise(matched, float(arm.spec), generator), matched.nbytes
-    if arm.kind == "kv_layers":
-        keep = layer_subset(arm.spec, matched.meta.num_model_layers)
+    if arm.base == "kv_noise":
+        return T.with_noise(matched, float(arm.dial), generator), matched.nbytes
+    if arm.base == "kv_layers":
+        keep = layer_subset(arm.dial, matched.meta.num_model_layers)
         mixed = _mix_layers(matched, mismatched, keep)
         return mixed, T.select_layers(matched, keep).nbytes
-    if arm.kind == "kv_tokens":
+    if arm.base == "kv_tokens":
         scores = None
-        if arm.spec.startswith("topk"):
+        if arm.dial.startswith("topk"):
             from kvrelay.kv.evict import attention_scores
 
             scores = attention_scores(model, matched)
-        out = _token_subset(matched, arm.spec, scores)
+        out = _token_subset(matched, arm.dial, scores)
         return out, out.nbytes
-    if arm.kind == "kv_codec":
+    if arm.base == "kv_codec":
         from kvrelay.kv.codecs import compress
 
-        c = compress(matched, arm.spec, model=model)
+        c = compress(matched, arm.dial, model=model)
         return c.decompress(), c.nbytes
     raise ValueError(f"{arm.name} is not a cache arm")

@@ -11,77 +11,21 @@ counted (``only_a``/``only_b``), never silently dropped.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-REGIMES = ("private", "shared")
-OUTCOMES = ("success", "latency_s", "relay_bytes", "prefill_tokens")
+from kvrelay.audit.vocab import CONTRASTS, OUTCOMES, REGIMES, dial_family  # noqa: F401 - re-exported
+from kvrelay.audit.vocab import parse_arm as _parse
+
 ALL = "ALL"
-
-#: contrast name -> (arm A, arm B); the effect is A - B.
-CONTRASTS: dict[str, tuple[str, str]] = {
-    "pairing": ("kv", "kv_mismatched"),
-    "presence": ("kv_mismatched", "none"),
-    "kv_vs_text_message": ("kv", "text_message"),
-    "kv_vs_text_full": ("kv", "text_full"),
-    "kv_vs_none": ("kv", "none"),
-}
-
-PLAIN_ARMS = frozenset({"none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random"})
-DIAL_ARMS = frozenset({"kv_noise", "kv_layers", "kv_tokens", "kv_codec"})
-_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def parse_arm(arm: str) -> tuple[str, str | None]:
-    """Split an arm name into ``(base, dial)``: ``"kv_noise:0.5" -> ("kv_noise", "0.5")``,
-    ``"kv_tokens:last:0.2" -> ("kv_tokens", "last:0.2")``, ``"kv" -> ("kv", None)``.
-
-    Dial arms (kv_noise, kv_layers, kv_tokens, kv_codec) need a dial; plain arms must not have
-    one; ``kv_noise``'s σ must be a non-negative number. Unknown bases are accepted when
-    well-formed, so new arms do not break the statistics.
-    """
-    if not isinstance(arm, str):
-        raise ValueError(f"arm must be a string, got {type(arm).__name__}")
-    base, sep, dial = arm.strip().partition(":")
-    if not _NAME.match(base):
-        raise ValueError(f"malformed arm name {arm!r}: expected e.g. 'kv', 'kv_noise:0.5'")
-    if sep and (not dial or any(not part for part in dial.split(":"))):
-        raise ValueError(f"arm {arm!r} has an empty dial after ':'")
-    if base in DIAL_ARMS and not sep:
-        raise ValueError(f"arm {arm!r} needs a dial, e.g. '{base}:0.5'")
-    if base in PLAIN_ARMS and sep:
-        raise ValueError(f"arm {base!r} takes no dial, got {arm!r}")
-    if base == "kv_noise":
-        sigma = _as_float(dial)
-        if sigma is None or sigma < 0:
-            raise ValueError(f"kv_noise needs a non-negative σ, got {arm!r}")
-    return base, (dial if sep else None)
-
-
-def dial_family(arm: str) -> tuple[str, str, float | None] | None:
-    """``(family, dose label, numeric dose or None)`` for a dial arm, None for a plain arm.
-
-    The family keeps every dial segment but the last: ``kv_tokens:last:0.2`` is family
-    ``kv_tokens:last`` at dose ``0.2``; ``kv_codec:int8`` is family ``kv_codec`` at dose ``int8``
-    (numeric dose None).
-    """
-    base, dial = parse_arm(arm)
-    if dial is None:
-        return None
-    head, _, last = dial.rpartition(":")
-    family = f"{base}:{head}" if head else base
-    return family, last, _as_float(last)
-
-
-def _as_float(text: str) -> float | None:
-    try:
-        v = float(text)
-    except ValueError:
-        return None
-    return v if math.isfinite(v) else None
+    """``(base, dial)`` of a record's arm name (lenient: arms added later still load; see ``vocab``)."""
+    a = _parse(arm, strict=False)
+    return a.base, a.dial
 
 
 @dataclass(frozen=True, slots=True)

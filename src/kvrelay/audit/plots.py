@@ -15,15 +15,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from kvrelay.audit.vocab import ALPHA, contrast_rank
+
 ALL = "ALL"
 REGIMES = ("private", "shared")
-CONTRAST_ORDER = ("pairing", "presence", "kv_vs_text_message", "kv_vs_text_full", "kv_vs_none")
 CONTRAST_COLORS = {"pairing": "#1b9e77", "presence": "#d95f02", "kv_vs_text_message": "#7570b3",
                    "kv_vs_text_full": "#e7298a", "kv_vs_none": "#66a61e"}  # fmt: skip
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")  # fmt: skip
 REGIME_MARKERS = {"private": "o", "shared": "s"}
-ALPHA = 0.05
 DPI = 100
 
 
@@ -40,7 +40,7 @@ def _regimes(rows: Sequence[Mapping]) -> list[str]:
 
 
 def _contrast_key(c: str) -> int:
-    return CONTRAST_ORDER.index(c) if c in CONTRAST_ORDER else len(CONTRAST_ORDER)
+    return contrast_rank(c)
 
 
 def _task_cells(rows: Sequence[Mapping], regime: str) -> list[str]:

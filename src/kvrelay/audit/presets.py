@@ -10,8 +10,6 @@ from dataclasses import replace
 
 from kvrelay.audit.runner import AuditConfig
 
-CONTROL_ARMS = ("none", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
-
 PRESETS: dict[str, AuditConfig] = {
     # Private regime (generated records + SQuAD) next to the shared regime (ARC-Challenge).
     # text_full is left out here: in the continue layout it re-encodes the very tokens kv relays, so its

@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.audit import plots
-from kvrelay.audit.paired import CONTRASTS
 from kvrelay.audit.stats import ALL, summarize
+from kvrelay.audit.vocab import ALPHA, CONTRASTS, arm_order, arm_rank, contrast_rank
 
-ALPHA = 0.05
-CONTRAST_ORDER = tuple(CONTRASTS)
 #: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
 #: carries them over from the summary.json it replaces.
 CARRIED_KEYS = ("similarity",)
@@ -138,7 +136,7 @@ def _sorted_effects(rows: Sequence[Mapping]) -> list[Mapping]:
     def key(e: Mapping) -> tuple:
         c = e["contrast"]
         return (regimes.index(e["regime"]) if e["regime"] in regimes else 9, e["task"] == ALL, e["task"],
-                CONTRAST_ORDER.index(c) if c in CONTRAST_ORDER else 99, c)  # fmt: skip
+                contrast_rank(c), c)  # fmt: skip
 
     return sorted(rows, key=key)
 
@@ -205,24 +203,12 @@ def _success_by_arm(records: Sequence[Mapping]) -> Section:
         if not (task == ALL and n_sets == 1):  # the pooled cell of a one-task-set regime repeats its task set
             cells.append((regime, task))
     rows, keys = [], []
-    for arm in _arm_order({r["arm"] for r in records}):
+    for arm in arm_order({r["arm"] for r in records}):
         rows.append((arm, *(f"{means[c][arm]:.1f} (n={counts[c][arm]})" if arm in means[c] else "—" for c in cells)))
         keys.append(arm)
     sec.blocks.append(Para("Mean success (points) per arm and cell; n = trials (tasks × seeds).", "note"))
     sec.blocks.append(Table(("arm", *(f"{g} · {_task(t)}" for g, t in cells)), rows, keys))
     return sec
-
-
-FIXED_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
-
-
-def _arm_order(arms: set[str]) -> list[str]:
-    """The fixed arms in the order of docs/audit.md, then dial arms sorted."""
-    return [a for a in FIXED_ARMS if a in arms] + sorted(arms - set(FIXED_ARMS))
-
-
-def _arm_rank(arm: str) -> tuple[int, str]:
-    return (FIXED_ARMS.index(arm) if arm in FIXED_ARMS else len(FIXED_ARMS), arm)
 
 
 def _n(e: Mapping) -> str:
@@ -330,7 +316,7 @@ def _cate(summary: Mapping) -> Section:
     sec = Section("cate", "Conditional effects (CATE)")
     rows = summary.get("cate") or []
     contrasts = {r["contrast"] for r in rows}
-    contrast = next((c for c in CONTRAST_ORDER if c in contrasts), None)
+    contrast = min(contrasts, key=contrast_rank, default=None)
     if contrast is None:
         sec.blocks.append(Para("No covariates were recorded (or no contrast was run): no subgroup effects.", "note"))
         return sec
@@ -378,7 +364,7 @@ def _cost_benefit(summary: Mapping) -> Section:
     sec.blocks.append(Para("Per arm against each baseline, pooled per regime (per task set in summary.json): "
                            "accuracy gained, paired extra costs, and cost per point gained.", "note"))  # fmt: skip
     out, keys = [], []
-    for r in sorted(pooled, key=lambda r: (r["regime"], r["reference"], _arm_rank(r["arm"]))):
+    for r in sorted(pooled, key=lambda r: (r["regime"], r["reference"], arm_rank(r["arm"]))):
         out.append((r["regime"], r["arm"], r["reference"], _fmt("success", r.get("gain_points")),
                     _ci("success", r.get("gain_ci_low"), r.get("gain_ci_high")), _fmt("latency_s", r.get("extra_latency_s")),
                     _bytes(r.get("extra_relay_bytes")), _fmt("prefill_tokens", r.get("extra_prefill_tokens")),

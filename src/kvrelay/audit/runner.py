@@ -190,12 +190,12 @@ class AuditRunner:
     def _contexts(self, arm: Arm, states: list[_TaskState], seed: int) -> tuple[list, list[int], float]:
         """Receiver contexts for ``arm``, their relay bytes, and any sender-side seconds it cost."""
         gen = torch.Generator().manual_seed(10_007 * seed + 17)
-        if arm.kind == "none":
+        if arm.base == "none":
             return [None] * len(states), [0] * len(states), 0.0
-        if arm.kind == "text_full":
+        if arm.base == "text_full":
             ctx = [s.payload.token_ids for s in states]
             return ctx, [len(s.task.context.encode()) for s in states], 0.0
-        if arm.kind == "text_message":
+        if arm.base == "text_message":
             prompts = [MESSAGE_PROMPT.format(question=s.task.prompt) for s in states]
             t0 = time.perf_counter()
             notes = self.sender.respond_batch(prompts, [s.payload for s in states],

@@ -53,6 +53,7 @@ from kvrelay.audit.paired import (
 )
 from kvrelay.audit.subgroups import cate_regression, cate_subgroups
 from kvrelay.audit.verdict import verdict
+from kvrelay.audit.vocab import ALPHA
 
 __all__ = [
     "ALL", "CONTRASTS", "OUTCOMES", "BootstrapCI", "Paired", "TOSTResult", "Trial", "TrialIndex",
@@ -61,7 +62,6 @@ __all__ = [
     "tost_paired", "validate_records", "verdict",
 ]  # fmt: skip
 
-ALPHA = 0.05  # TOST level: the equivalence interval is the 1 - 2*ALPHA = 90% CI
 REFERENCES = ("none", "text_full")  # cost-benefit baselines
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-ALPHA = 0.05
+from kvrelay.audit.vocab import ALPHA
+
 PAPER_PRIVATE = "+61 to +77 points"
 PAPER_LOW, PAPER_HIGH = 61.0, 77.0
 

@@ -29,15 +29,3 @@ def code(offset: int = 0) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = CODE_FILES[offset % len(CODE_FILES):] + CODE_FILES[: offset % len(CODE_FILES)]
     return "\n\n".join(f"# file: {f}\n" + (root / f).read_text(encoding="utf-8") for f in files if (root / f).exists())
-
-
-def text_of_tokens(tokenizer, n_tokens: int, kind: str = "prose", offset: int = 0) -> str:
-    """Real text that tokenizes to exactly ``n_tokens`` tokens (cut on a token boundary) — or fewer if
-    the decoded cut re-tokenizes differently; callers that need exact counts use token ids directly."""
-    if kind not in ("prose", "code"):
-        raise ValueError(f"kind must be 'prose' or 'code', got {kind!r}")
-    src = prose(offset) if kind == "prose" else code(offset)
-    ids = tokenizer(src, add_special_tokens=False)["input_ids"]
-    while len(ids) < n_tokens:
-        ids = ids + ids
-    return tokenizer.decode(ids[:n_tokens])

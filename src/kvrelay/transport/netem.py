@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ADDR_A, ADDR_B, PREFIX = "10.201.0.1", "10.201.0.2", 30
@@ -201,14 +200,3 @@ class Link:
         if r.returncode != 0:
             raise LinkError(f"transfer failed: {r.stderr.strip()[-1000:]}")
         return float(r.stdout.strip())
-
-
-def measure(link: Link, data, repeats: int = 1) -> float:
-    """Median seconds over ``repeats`` sends of ``data`` at the link's current rate."""
-    import statistics
-
-    times = []
-    for _ in range(repeats):
-        times.append(link.send(data))
-        time.sleep(0.05)  # let the bucket refill between sends
-    return statistics.median(times)

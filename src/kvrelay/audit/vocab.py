@@ -1,0 +1,143 @@
+"""The audit's vocabulary, defined once: arm names, contrasts, outcomes, regimes, significance level.
+
+Arms (what the receiver gets in place of the relayed cache; docs/audit.md has the table):
+
+* plain arms, no dial — ``PLAIN_ARMS``, in report order;
+* dial arms ``BASE:DIAL`` — ``kv_noise:σ``, ``kv_layers:SPEC``, ``kv_tokens:first|last|topk:F``,
+  ``kv_codec:NAME``.
+
+A contrast is a paired difference ``arm A − arm B``; success effects are in points (score × 100).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+ALPHA = 0.05  # every test's level; TOST reports the 1 - 2*ALPHA = 90% interval
+REGIMES = ("private", "shared")
+OUTCOMES = ("success", "latency_s", "relay_bytes", "prefill_tokens")
+
+PLAIN_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
+DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec")
+#: arms whose payload is another task's reading (length-matched partner)
+MISMATCH_ARMS = ("kv_mismatched", "kv_layers")
+#: arms whose input depends on the seed (random draws); the others give one answer per task
+STOCHASTIC_ARMS = ("kv_random", "kv_noise")
+
+#: contrast name -> (arm A, arm B); the effect is A - B, in this (report) order.
+CONTRASTS: dict[str, tuple[str, str]] = {
+    "pairing": ("kv", "kv_mismatched"),
+    "presence": ("kv_mismatched", "none"),
+    "kv_vs_text_message": ("kv", "text_message"),
+    "kv_vs_text_full": ("kv", "text_full"),
+    "kv_vs_none": ("kv", "none"),
+}
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+TOKEN_MODES = ("first", "last", "topk")
+
+
+@dataclass(frozen=True, slots=True)
+class ArmName:
+    """A parsed arm name: ``kv_tokens:last:0.2`` -> base ``kv_tokens``, dial ``last:0.2``."""
+
+    name: str
+    base: str
+    dial: str | None = None
+
+    @property
+    def needs_mismatch(self) -> bool:
+        return self.base in MISMATCH_ARMS
+
+    @property
+    def stochastic(self) -> bool:
+        return self.base in STOCHASTIC_ARMS
+
+
+def arm_help() -> str:
+    return (f"{', '.join(PLAIN_ARMS)}, kv_noise:SIGMA, kv_layers:SPEC, kv_tokens:{'|'.join(TOKEN_MODES)}:FRACTION, "
+            "kv_codec:NAME")
+
+
+def parse_arm(name: str, *, strict: bool = True) -> ArmName:
+    """Parse and validate an arm name; ``ValueError`` saying what was expected otherwise.
+
+    ``strict`` (building arms to run): the base must be a known arm and its dial valid.
+    Not strict (reading records): any well-formed ``base[:dial]`` passes, so records of arms added
+    later still load; known bases are still checked.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"arm must be a string, got {type(name).__name__}")
+    text = name.strip()
+    base, sep, dial = text.partition(":")
+    if not _NAME.match(base):
+        raise ValueError(f"malformed arm name {name!r}: expected one of {arm_help()}")
+    if sep and (not dial or any(not part for part in dial.split(":"))):
+        raise ValueError(f"arm {name!r} has an empty dial after ':'")
+    if base in PLAIN_ARMS and sep:
+        raise ValueError(f"arm {base!r} takes no dial, got {name!r}")
+    if base in DIAL_ARMS and not sep:
+        raise ValueError(f"arm {name!r} needs a dial; expected one of {arm_help()}")
+    if base not in PLAIN_ARMS and base not in DIAL_ARMS and strict:
+        raise ValueError(f"unknown arm {name!r}; expected one of {arm_help()}")
+    if base in DIAL_ARMS:
+        _check_dial(text, base, dial)
+    return ArmName(text, base, dial if sep else None)
+
+
+def _check_dial(name: str, base: str, dial: str) -> None:
+    if base == "kv_noise":
+        sigma = as_float(dial)
+        if sigma is None or sigma < 0:
+            raise ValueError(f"{name}: kv_noise needs a non-negative σ")
+    elif base == "kv_tokens":
+        how, _, frac = dial.partition(":")
+        f = as_float(frac)
+        if how not in TOKEN_MODES or f is None or not 0 < f <= 1:
+            raise ValueError(f"{name}: expected kv_tokens:{'|'.join(TOKEN_MODES)}:FRACTION in (0, 1]")
+    elif base == "kv_codec":
+        from kvrelay.kv.codecs import parse
+
+        try:
+            parse(dial)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
+def dial_family(arm: str) -> tuple[str, str, float | None] | None:
+    """``(family, dose label, numeric dose or None)`` for a dial arm, None for a plain arm.
+
+    The family keeps every dial segment but the last: ``kv_tokens:last:0.2`` is family
+    ``kv_tokens:last`` at dose ``0.2``; ``kv_codec:int8`` is family ``kv_codec`` at dose ``int8``.
+    """
+    a = parse_arm(arm, strict=False)
+    if a.dial is None:
+        return None
+    head, _, last = a.dial.rpartition(":")
+    family = f"{a.base}:{head}" if head else a.base
+    return family, last, as_float(last)
+
+
+def as_float(text: str) -> float | None:
+    try:
+        v = float(text)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def arm_order(arms) -> list[str]:
+    """Plain arms in ``PLAIN_ARMS`` order, then the others sorted."""
+    arms = set(arms)
+    return [a for a in PLAIN_ARMS if a in arms] + sorted(arms - set(PLAIN_ARMS))
+
+
+def arm_rank(arm: str) -> tuple[int, str]:
+    return (PLAIN_ARMS.index(arm) if arm in PLAIN_ARMS else len(PLAIN_ARMS), arm)
+
+
+def contrast_rank(contrast: str) -> int:
+    order = tuple(CONTRASTS)
+    return order.index(contrast) if contrast in order else len(order)
