@@ -15,12 +15,15 @@ covers the slots ``T - T_l .. T - 1``; every transform in ``kv.transforms`` resp
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from kvrelay.kv.layout import held_tokens, tensor_name
+from kvrelay.core.errors import CorruptPayload
+from kvrelay.kv.layout import LAYER_TYPES, held_tokens, tensor_name
 from kvrelay.models.identity import ModelIdentity, RopeSpec
 
 FORMAT = "kvrelay/1"
@@ -99,16 +102,99 @@ class PayloadMeta:
         return {k: v if isinstance(v, str) else json.dumps(v) for k, v in d.items()}
 
     @classmethod
-    def from_strings(cls, d: dict[str, str]) -> PayloadMeta:
-        names = {f for f in cls.__dataclass_fields__}
+    def from_strings(cls, d: Mapping[str, str]) -> PayloadMeta:
+        """The inverse of ``to_strings``, strict: a missing, mistyped or inconsistent field is a
+        ``CorruptPayload`` naming that field (metadata comes off the wire and is untrusted)."""
+        names = set(cls.__dataclass_fields__)
         missing = names - set(d) - set(OPTIONAL_FIELDS)
         if missing:
-            raise KeyError(f"metadata lacks {sorted(missing)}")
-        raw = {k: (d[k] if k in STRING_FIELDS else json.loads(d[k])) for k in names if k in d}
-        raw["layer_indices"] = tuple(raw["layer_indices"])
-        raw["layer_types"] = tuple(raw["layer_types"])
-        raw["rope"] = tuple(RopeSpec(r["layer_type"], tuple(r["inv_freq"]), r["attention_scaling"]) for r in raw["rope"])
+            raise CorruptPayload(f"metadata lacks the fields {sorted(missing)}")
+        raw = {k: _field(k, d[k]) for k in names if k in d}
+        layers, types = raw["layer_indices"], raw["layer_types"]
+        if len(layers) != len(types):
+            raise CorruptPayload(f"metadata field 'layer_types': {len(types)} entries for {len(layers)} layer_indices")
+        if any(i >= raw["num_model_layers"] for i in layers):
+            raise CorruptPayload(f"metadata field 'layer_indices': {list(layers)} out of range for "
+                                 f"num_model_layers={raw['num_model_layers']}")
+        roped = [r.layer_type for r in raw["rope"]]
+        if len(set(roped)) != len(roped) or not set(types) <= set(roped):
+            raise CorruptPayload(f"metadata field 'rope': entries for {roped}, expected one per layer type {sorted(set(types))}")
+        if raw["dtype"] not in DTYPES:
+            raise CorruptPayload(f"metadata field 'dtype': {raw['dtype']!r} is not one of {sorted(DTYPES)}")
         return cls(**raw)
+
+
+def _bad(name: str, want: str, got: object) -> CorruptPayload:
+    return CorruptPayload(f"metadata field {name!r}: expected {want}, got {got!r}")
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # bool is an int subclass: refused
+
+
+def _is_num(v: object) -> bool:
+    return (type(v) is int or type(v) is float) and math.isfinite(v)
+
+
+def _ints(name: str, v: object, lo: int) -> tuple[int, ...]:
+    if not isinstance(v, list) or any(not _is_int(i) or i < lo for i in v):
+        raise _bad(name, f"a list of ints >= {lo}", v)
+    return tuple(v)
+
+
+def _rope(v: object) -> tuple[RopeSpec, ...]:
+    keys = {"layer_type", "inv_freq", "attention_scaling"}
+    if not isinstance(v, list) or not v:
+        raise _bad("rope", "a non-empty list of rope entries", v)
+    out = []
+    for r in v:
+        if (not isinstance(r, dict) or set(r) != keys or r["layer_type"] not in LAYER_TYPES
+                or not isinstance(r["inv_freq"], list) or not r["inv_freq"]
+                or any(not _is_num(f) for f in r["inv_freq"]) or not _is_num(r["attention_scaling"])):
+            raise _bad("rope", f"entries {{layer_type in {list(LAYER_TYPES)}, inv_freq: [numbers], "
+                       "attention_scaling: number}", r)
+        out.append(RopeSpec(r["layer_type"], tuple(float(f) for f in r["inv_freq"]), float(r["attention_scaling"])))
+    return tuple(out)
+
+
+def _field(name: str, s: object):
+    """One metadata field from its wire string, type-checked."""
+    if not isinstance(s, str):
+        raise _bad(name, "a string", s)
+    if name in STRING_FIELDS:
+        return s
+    try:
+        v = json.loads(s)
+    except ValueError:
+        raise _bad(name, "JSON", s) from None
+    if name == "num_model_layers":
+        if not _is_int(v) or v < 1:
+            raise _bad(name, "an int >= 1", v)
+        return v
+    if name == "round":
+        if not _is_int(v) or v < 0:
+            raise _bad(name, "an int >= 0", v)
+        return v
+    if name == "sliding_window":
+        if v is not None and (not _is_int(v) or v < 1):
+            raise _bad(name, "null or an int >= 1", v)
+        return v
+    if name == "created_at":
+        if not _is_num(v):
+            raise _bad(name, "a finite number (seconds since the epoch)", v)
+        return float(v)
+    if name == "layer_indices":
+        t = _ints(name, v, 0)
+        if list(t) != sorted(set(t)):
+            raise _bad(name, "strictly increasing layer indices", v)
+        return t
+    if name == "layer_types":
+        if not isinstance(v, list) or any(x not in LAYER_TYPES for x in v):
+            raise _bad(name, f"a list of {list(LAYER_TYPES)}", v)
+        return tuple(v)
+    if name == "rope":
+        return _rope(v)
+    raise _bad(name, "a known metadata field", s)  # pragma: no cover - every field is handled above
 
 
 @dataclass(frozen=True, slots=True)

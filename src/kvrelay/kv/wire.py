@@ -168,8 +168,9 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
         raise CorruptPayload(f"not a {FORMAT} payload: the file has no kvrelay metadata (a foreign safetensors file?)")
     if meta["format"] != FORMAT:
         raise CorruptPayload(f"not a {FORMAT} payload: format is {meta['format']!r}")
-    if any(not isinstance(v, str) for v in meta.values()):
-        raise CorruptPayload("metadata values must all be strings")
+    nonstr = sorted(str(k) for k, v in meta.items() if not isinstance(v, str))
+    if nonstr:
+        raise CorruptPayload(f"metadata fields {nonstr} are not strings; safetensors metadata maps str to str")
     if any(k not in meta for k in INTEGRITY_KEYS):
         raise CorruptPayload(f"metadata lacks the checksums {list(INTEGRITY_KEYS)}")
     data_len = size - 8 - n
@@ -189,6 +190,9 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
         raise CorruptPayload("tensor_sha256 metadata is not JSON") from None
     if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CorruptPayload("tensor_sha256 metadata does not list exactly the file's tensors")
+    bad = sorted(n for n, d in digests.items() if not _is_hex_digest(d))
+    if bad:
+        raise CorruptPayload(f"tensor_sha256 of {bad} is not a sha256 hex digest (64 lowercase hex digits)")
     got = _root_digest(meta, tensors)
     if got != meta["sha256"]:
         raise CorruptPayload(f"checksum mismatch: header sha256 is {meta['sha256']!r}, "
@@ -201,11 +205,11 @@ def _parse_entry(name: str, spec, data_len: int) -> TensorEntry:
     if not isinstance(spec, dict):
         raise CorruptPayload(f"tensor {name!r}: header entry is not an object")
     dtype, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if dtype not in _ST_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
         raise CorruptPayload(f"tensor {name!r}: dtype {dtype!r} is not allowed; expected one of {sorted(_ST_DTYPES)}")
-    if not isinstance(shape, list) or any(not isinstance(d, int) or d < 0 for d in shape):
+    if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):  # bools refused too
         raise CorruptPayload(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
-    if (not isinstance(offs, list) or len(offs) != 2 or any(not isinstance(o, int) for o in offs)
+    if (not isinstance(offs, list) or len(offs) != 2 or any(type(o) is not int for o in offs)
             or not 0 <= offs[0] <= offs[1]):
         raise CorruptPayload(f"tensor {name!r}: data_offsets {offs!r} are not [begin, end] with 0 <= begin <= end")
     if offs[1] > data_len:
@@ -214,6 +218,10 @@ def _parse_entry(name: str, spec, data_len: int) -> TensorEntry:
     if offs[1] - offs[0] != want:
         raise CorruptPayload(f"tensor {name!r}: {offs[1] - offs[0]} bytes for shape {shape} {dtype}, expected {want}")
     return TensorEntry(dtype, tuple(shape), offs[0], offs[1])
+
+
+def _is_hex_digest(d: object) -> bool:
+    return isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d)
 
 
 def _reader(buf: memoryview) -> Callable[[int, int], bytes]:
@@ -305,9 +313,9 @@ def encode_parts(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -
 
 
 def _payload_meta(h: Header) -> PayloadMeta:
-    try:
+    try:  # from_strings type-checks every field itself (CorruptPayload naming it)
         return PayloadMeta.from_strings(h.meta)
-    except (KeyError, ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+    except ValueError as e:  # what the dataclass invariants still refuse
         raise CorruptPayload(f"kvrelay metadata does not describe a payload: {e}") from None
 
 
@@ -332,6 +340,8 @@ def _check_layout(h: Header, m: PayloadMeta) -> tuple[int, int]:
     if len(ids.shape) != 2:
         raise CorruptPayload(f"token_ids has shape {list(ids.shape)}, expected (B, T)")
     B, T = ids.shape
+    if B == 0 or T == 0:
+        raise CorruptPayload(f"token_ids has shape {[B, T]}: a payload holds at least one row of one token")
     for name, code in (("token_ids", "I64"), ("positions", "I64"), ("mask", "BOOL")):
         if t[name].dtype != code or t[name].shape != (B, T):
             raise CorruptPayload(f"{name} is {t[name].dtype} {list(t[name].shape)}, expected {code} {[B, T]}")
