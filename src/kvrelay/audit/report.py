@@ -13,16 +13,14 @@ Units as in :mod:`kvrelay.audit.stats`: success effects in points (score × 100)
 
 from __future__ import annotations
 
-import base64
-import html
 import json
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.audit import plots
+from kvrelay.audit.document import Fig, Para, Section, Table, render_html, render_markdown
+from kvrelay.audit.fmt import ci_text, duration, meta_text, nbytes, pval, value_text
 from kvrelay.audit.stats import ALL, summarize
 from kvrelay.audit.vocab import ALPHA, CONTRASTS, arm_order, arm_rank, contrast_rank
 
@@ -39,91 +37,7 @@ META_LABELS = {"model": "model", "preset": "preset", "tasks": "task sets", "arms
 # ---------------------------------------------------------------- layout blocks
 
 
-@dataclass(frozen=True, slots=True)
-class Para:
-    text: str
-    kind: str = "p"  # "p" | "note" (explanation) | "warn" (data problem) | "cost" (verdict sub-line)
-
-
-@dataclass(frozen=True, slots=True)
-class Table:
-    header: tuple[str, ...]
-    rows: list[tuple[str, ...]]
-    keys: list[str] | None = None  # per row, an HTML data-key (tests and readers can find a row)
-    collapsed: bool = False  # long detail tables: folded in HTML (<details>), plain in Markdown
-
-
-@dataclass(frozen=True, slots=True)
-class Fig:
-    name: str  # file stem under figures/
-    png: bytes
-    caption: str
-
-
-@dataclass(slots=True)
-class Section:
-    id: str
-    title: str
-    blocks: list[Para | Table | Fig] = field(default_factory=list)
-
-
 # ---------------------------------------------------------------- number formatting
-
-
-def _pts(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.1f}"
-
-
-def _p(p: float | None) -> str:
-    return "n/a" if p is None else ("<0.001" if p < 0.001 else f"{p:.3g}")
-
-
-def _bytes(b: float | None, signed: bool = True) -> str:
-    if b is None:
-        return "n/a"
-    sign = ("+" if b >= 0 else "-") if signed else ("" if b >= 0 else "-")
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= size:
-            return f"{sign}{abs(b) / size:.2f} {unit}"
-    return f"{sign}{abs(b):.0f} B"
-
-
-def _fmt(outcome: str, x: float | None) -> str:
-    """A value of ``outcome`` with its unit (effects are signed)."""
-    if x is None:
-        return "n/a"
-    if outcome == "success":
-        return f"{x:+.1f} pts"
-    if outcome == "latency_s":
-        return f"{x:+.3g} s"
-    if outcome == "relay_bytes":
-        return _bytes(x)
-    return f"{x:+.0f} tok" if outcome == "prefill_tokens" else f"{x:+.3g}"
-
-
-def _ci(outcome: str, lo: float | None, hi: float | None) -> str:
-    """``[lo, hi]``; success bounds without the unit (the estimate next to it carries it)."""
-    if lo is None or hi is None:
-        return "n/a"
-    if outcome == "success":
-        return f"[{_pts(lo)}, {_pts(hi)}]"
-    return f"[{_fmt(outcome, lo)}, {_fmt(outcome, hi)}]"
-
-
-def _duration(s: object) -> str:
-    if not isinstance(s, int | float):
-        return str(s)
-    m, sec = divmod(float(s), 60.0)
-    return f"{s:.0f} s ({int(m)} min {sec:.0f} s)" if m else f"{s:.1f} s"
-
-
-def _value(v: object) -> str:
-    """A meta value as one line: lists comma-joined, dicts as ``k=v``."""
-    if isinstance(v, Mapping):
-        return ", ".join(f"{k}={_value(x)}" for k, x in v.items())
-    if isinstance(v, list | tuple):
-        return ", ".join(str(x) for x in v)
-    return str(v)
 
 
 def _task(task: str) -> str:
@@ -151,21 +65,21 @@ def _facts(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> Secti
         if key in meta and meta[key] not in (None, "", [], {}):
             v = meta[key]
             if key == "elapsed_s":
-                text = _duration(v)
+                text = duration(v)
             elif key == "command" and isinstance(v, list | tuple):
                 text = " ".join(str(x) for x in v)
             elif key == "commands" and isinstance(v, list | tuple):
                 text = " ; ".join(str(x) for x in v)
             else:
-                text = _value(v)
+                text = meta_text(v)
             rows.append((label, text))
-    rows += [(str(k), _value(v)) for k, v in meta.items() if k not in META_LABELS and v not in (None, "", [], {})]
+    rows += [(str(k), meta_text(v)) for k, v in meta.items() if k not in META_LABELS and v not in (None, "", [], {})]
     tasks = summary.get("tasks") or {}
     rows.append(("tasks", f"{summary.get('n_tasks', 'n/a')} ("
                  + ", ".join(f"{k}: {v}" for k, v in tasks.items()) + ")"))  # fmt: skip
     rows.append(("trials", str(len(records))))
-    if "seeds" in summary and _value(summary["seeds"]) != _value(meta.get("seeds", "")):
-        rows.append(("seeds in records", _value(summary["seeds"])))
+    if "seeds" in summary and meta_text(summary["seeds"]) != meta_text(meta.get("seeds", "")):
+        rows.append(("seeds in records", meta_text(summary["seeds"])))
     s = summary.get("settings") or {}
     if s:
         rows.append(("statistics", f"{_conf(s)} BCa bootstrap ({s.get('n_boot', '?')} resamples, cluster over tasks),"
@@ -223,8 +137,8 @@ def _effects_table(rows: Sequence[Mapping], level: str, collapsed: bool = False)
         o = e["outcome"]
         a, b = CONTRASTS.get(e["contrast"], ("A", "B"))
         star = " *" if e.get("p_holm") is not None and e["p_holm"] < ALPHA else ""
-        out.append((e["regime"], _task(e["task"]), e["contrast"], f"{a} − {b}", o, _fmt(o, e.get("estimate")) + star,
-                    _ci(o, e.get("ci_low"), e.get("ci_high")), _p(e.get("p_value")), _p(e.get("p_holm")),
+        out.append((e["regime"], _task(e["task"]), e["contrast"], f"{a} − {b}", o, value_text(o, e.get("estimate")) + star,
+                    ci_text(o, e.get("ci_low"), e.get("ci_high")), pval(e.get("p_value")), pval(e.get("p_holm")),
                     _n(e)))  # fmt: skip
         keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}/{o}")
     return Table(("regime", "task set", "contrast", "A − B", "outcome", "estimate", f"{level} CI", "p", "Holm p",
@@ -270,9 +184,9 @@ def _equivalence(summary: Mapping) -> Section:
     out, keys = [], []
     for e in _sorted_effects(rows):
         eq = "yes" if e.get("equivalent") else ("n/a" if e.get("p_tost") is None else "no")
-        out.append((e["regime"], _task(e["task"]), e["contrast"], _fmt("success", e.get("estimate")),
-                    _ci("success", e.get("ci90_low"), e.get("ci90_high")), f"±{e.get('margin', margin):g}",
-                    _p(e.get("p_tost")), _p(e.get("p_holm")), eq, _n(e)))  # fmt: skip
+        out.append((e["regime"], _task(e["task"]), e["contrast"], value_text("success", e.get("estimate")),
+                    ci_text("success", e.get("ci90_low"), e.get("ci90_high")), f"±{e.get('margin', margin):g}",
+                    pval(e.get("p_tost")), pval(e.get("p_holm")), eq, _n(e)))  # fmt: skip
         keys.append(f"{e['regime']}/{e['task']}/{e['contrast']}")
     sec.blocks.append(Table(("regime", "task set", "contrast", "estimate", "90% CI", "margin", "p TOST", "Holm p",
                              "equivalent", "n pairs (tasks)"), out, keys))  # fmt: skip
@@ -294,9 +208,9 @@ def _dose(summary: Mapping, records: Sequence[Mapping]) -> Section:
     for r in sorted(rows, key=lambda r: (r["regime"], r["task"] == ALL, r["task"], r["family"], not r.get("reference"),
                                          r.get("dose_value") or 0.0, r["dose"])):  # fmt: skip
         out.append((r["regime"], _task(r["task"]), r["family"], r["dose"], r["arm"], f"{r['mean']:.1f}"
-                    if r.get("mean") is not None else "n/a", _ci("success", r.get("ci_low"), r.get("ci_high")),
-                    _fmt("success", r.get("effect_vs_kv")) if not r.get("reference") else "reference",
-                    _ci("success", r.get("effect_ci_low"), r.get("effect_ci_high")), _p(r.get("p_value")),
+                    if r.get("mean") is not None else "n/a", ci_text("success", r.get("ci_low"), r.get("ci_high")),
+                    value_text("success", r.get("effect_vs_kv")) if not r.get("reference") else "reference",
+                    ci_text("success", r.get("effect_ci_low"), r.get("effect_ci_high")), pval(r.get("p_value")),
                     str(r.get("n", "n/a"))))  # fmt: skip
         keys.append(f"{r['regime']}/{r['task']}/{r['arm']}")
     sec.blocks.append(Table(("regime", "task set", "family", "dose", "arm", "success", "CI", "effect vs kv",
@@ -333,8 +247,8 @@ def _cate(summary: Mapping) -> Section:
     for r in sorted(picked, key=lambda r: (r["regime"], r["task"] == ALL, r["task"], r["covariate"] != "doc_tokens",
                                            r["covariate"], r.get("lo") if r.get("lo") is not None else 0.0,
                                            r["subgroup"])):  # fmt: skip
-        out.append((r["regime"], _task(r["task"]), r["covariate"], r["subgroup"], _fmt("success", r.get("estimate")),
-                    _ci("success", r.get("ci_low"), r.get("ci_high")), _p(r.get("p_value")), _p(r.get("p_fdr")),
+        out.append((r["regime"], _task(r["task"]), r["covariate"], r["subgroup"], value_text("success", r.get("estimate")),
+                    ci_text("success", r.get("ci_low"), r.get("ci_high")), pval(r.get("p_value")), pval(r.get("p_fdr")),
                     str(r.get("n", "n/a"))))  # fmt: skip
         keys.append(f"{r['regime']}/{r['task']}/{r['covariate']}/{r['subgroup']}")
     sec.blocks.append(Table(("regime", "task set", "covariate", "subgroup", "effect", "CI", "p", "p_fdr", "n pairs"),
@@ -344,7 +258,7 @@ def _cate(summary: Mapping) -> Section:
         sec.blocks.append(Para(f"Regression of the paired {contrast} difference (points) on the covariates "
                                "(OLS; cluster-robust SE by task with several seeds, HC1 otherwise).", "note"))  # fmt: skip
         out = [(r["regime"], _task(r["task"]), r["term"], "n/a" if r.get("coef") is None else f"{r['coef']:+.4g}",
-                "n/a" if r.get("se") is None else f"{r['se']:.3g}", _p(r.get("p_value")), str(r.get("n", "n/a")),
+                "n/a" if r.get("se") is None else f"{r['se']:.3g}", pval(r.get("p_value")), str(r.get("n", "n/a")),
                 str(r.get("cov_type", ""))) for r in reg]  # fmt: skip
         sec.blocks.append(Table(("regime", "task set", "term", "coef", "SE", "p", "n", "SE type"), out, collapsed=True))
     return sec
@@ -365,11 +279,11 @@ def _cost_benefit(summary: Mapping) -> Section:
                            "accuracy gained, paired extra costs, and cost per point gained.", "note"))  # fmt: skip
     out, keys = [], []
     for r in sorted(pooled, key=lambda r: (r["regime"], r["reference"], arm_rank(r["arm"]))):
-        out.append((r["regime"], r["arm"], r["reference"], _fmt("success", r.get("gain_points")),
-                    _ci("success", r.get("gain_ci_low"), r.get("gain_ci_high")), _fmt("latency_s", r.get("extra_latency_s")),
-                    _bytes(r.get("extra_relay_bytes")), _fmt("prefill_tokens", r.get("extra_prefill_tokens")),
+        out.append((r["regime"], r["arm"], r["reference"], value_text("success", r.get("gain_points")),
+                    ci_text("success", r.get("gain_ci_low"), r.get("gain_ci_high")), value_text("latency_s", r.get("extra_latency_s")),
+                    nbytes(r.get("extra_relay_bytes")), value_text("prefill_tokens", r.get("extra_prefill_tokens")),
                     "n/a" if r.get("latency_s_per_point") is None else f"{1e3 * r['latency_s_per_point']:.3g} ms",
-                    _bytes(r.get("bytes_per_point"), signed=False), r.get("note") or ""))  # fmt: skip
+                    nbytes(r.get("bytes_per_point"), signed=False), r.get("note") or ""))  # fmt: skip
         keys.append(f"{r['regime']}/{r['arm']}/{r['reference']}")
     sec.blocks.append(Table(("regime", "arm", "vs", "gain", "gain CI", "extra latency", "extra bytes",
                              "extra prefill", "latency/point", "bytes/point", "note"), out, keys))  # fmt: skip
@@ -417,112 +331,6 @@ def build_sections(records: Sequence[Mapping], summary: Mapping, meta: Mapping) 
 def _title(meta: Mapping, summary: Mapping) -> str:
     model = meta.get("model") or summary.get("model")
     return f"kvrelay causal audit — {model}" if model else "kvrelay causal audit"
-
-
-_TAG_START = re.compile(r"<(?=[A-Za-z/!?])")
-
-
-def _md(text: str) -> str:
-    """Markdown text that no renderer can take for an HTML tag (``p<0.001`` stays as it is)."""
-    return _TAG_START.sub("&lt;", str(text))
-
-
-def _md_cell(text: str) -> str:
-    return _md(text).replace("|", "\\|").replace("\n", " ")
-
-
-def render_markdown(title: str, sections: Sequence[Section]) -> str:
-    lines = [f"# {_md(title)}", ""]
-    for sec in sections:
-        lines += [f"## {_md(sec.title)}", ""]
-        for b in sec.blocks:
-            if isinstance(b, Para):
-                text = _md(b.text)
-                lines += [{"warn": f"> {text}", "note": f"_{text}_", "cost": f"- {text}"}.get(b.kind, text), ""]
-            elif isinstance(b, Table):
-                header = b.header if any(b.header) else ("field", "value")
-                lines.append("| " + " | ".join(_md_cell(h) for h in header) + " |")
-                lines.append("|" + "|".join("---" for _ in header) + "|")
-                lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in b.rows]
-                lines.append("")
-            else:
-                lines += [f"![{_md_cell(b.caption)}](figures/{b.name}.png)", "", f"_{b.caption}_", ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0 auto;max-width:1200px;
-padding:1.5rem 2rem 4rem;color:#1d1d1f;line-height:1.45;background:#fff}
-h1{font-size:1.7rem;margin:.2rem 0 1rem}h2{font-size:1.25rem;margin:2.2rem 0 .6rem;padding-bottom:.25rem;
-border-bottom:2px solid #e5e5e5}
-.scroll{overflow-x:auto;margin:.5rem 0 1rem}
-table{border-collapse:collapse;font-size:.82rem;font-variant-numeric:tabular-nums}
-th,td{border:1px solid #ddd;padding:.25rem .5rem;text-align:left;white-space:nowrap}
-th{background:#f3f4f6;position:sticky;top:0}tr:nth-child(even) td{background:#fafafa}
-td:first-child{font-weight:500}
-td.long{white-space:normal;min-width:12rem}
-table.facts td{white-space:normal;max-width:60rem;word-break:break-word}
-p.note{color:#555;font-size:.88rem}p.warn{background:#fff4e5;border-left:4px solid #f0a020;padding:.4rem .7rem}
-figure{margin:1rem 0 1.5rem}figure img{max-width:100%;height:auto;border:1px solid #eee}
-figcaption{font-size:.85rem;color:#555;margin-top:.3rem}
-#verdict{background:#f0f7f4;border:1px solid #b7dccb;border-radius:6px;padding:.4rem 1.2rem 1rem;margin-top:2.5rem}
-#verdict h2{border:none}#verdict p{font-size:1rem}#verdict p.cost{margin-left:1.5rem;color:#333}
-details{margin:.4rem 0 1rem}summary{cursor:pointer;color:#0b5cad;font-size:.9rem}
-nav{font-size:.88rem;margin-bottom:1rem}nav a{margin-right:.9rem;color:#0b5cad;text-decoration:none}
-"""
-
-#: On load, count the images that decoded (naturalWidth > 0): a browser test reads these attributes.
-SCRIPT = """
-window.addEventListener("load", function () {
-  var imgs = Array.prototype.slice.call(document.images);
-  document.body.dataset.imagesTotal = String(imgs.length);
-  document.body.dataset.imagesLoaded = String(imgs.filter(function (i) {
-    return i.complete && i.naturalWidth > 0; }).length);
-});
-"""
-
-#: Nothing but inline styles, inline scripts and data: images may load — the report needs no network.
-CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
-
-
-def _cell(tag: str, text: str) -> str:
-    """A table cell; long text (notes) wraps instead of widening the table."""
-    cls = ' class="long"' if len(text) > 40 else ""
-    return f"<{tag}{cls}>{html.escape(text)}</{tag}>"
-
-
-def render_html(title: str, sections: Sequence[Section]) -> str:
-    e = html.escape
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
-           '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           f"<title>{e(title)}</title><style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
-           "<nav>" + "".join(f'<a href="#{e(s.id)}">{e(s.title)}</a>' for s in sections) + "</nav>"]  # fmt: skip
-    for sec in sections:
-        out.append(f'<section id="{e(sec.id)}"><h2>{e(sec.title)}</h2>')
-        for b in sec.blocks:
-            if isinstance(b, Para):
-                out.append(f'<p class="{e(b.kind)}">{e(b.text)}</p>')
-            elif isinstance(b, Table):
-                facts = not any(b.header)
-                rows = []
-                for i, row in enumerate(b.rows):
-                    key = f' data-key="{e(b.keys[i])}"' if b.keys else ""
-                    tag = ("th", "td") if facts else ("td", "td")
-                    rows.append(f"<tr{key}>" + "".join(_cell(tag[j > 0], str(c)) for j, c in enumerate(row)) + "</tr>")
-                head = "" if facts else "<thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr></thead>"
-                cls = ' class="facts"' if facts else ""
-                table = f'<div class="scroll"><table{cls}>{head}<tbody>{"".join(rows)}</tbody></table></div>'
-                if b.collapsed:
-                    table = f"<details><summary>table: {len(b.rows)} rows</summary>{table}</details>"
-                out.append(table)
-            else:
-                data = base64.b64encode(b.png).decode("ascii")
-                out.append(f'<figure id="fig-{e(b.name)}"><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
-                           f"<figcaption>{e(b.caption)}</figcaption></figure>")  # fmt: skip
-        out.append("</section>")
-    out.append(f"<script>{SCRIPT}</script></body></html>")
-    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- public API
