@@ -45,3 +45,17 @@ class StalePayload(PayloadError):
             f"stale payload from {producer!r}: round {payload_round} is older than round {held_round} "
             "the receiver already holds"
         )
+
+
+class AdapterMismatch(IncompatiblePayload):
+    """A fitted adapter was asked to map between models other than the ones its artefact records."""
+
+    def __init__(self, role: str, expected: str, got: str, artefact: str = ""):
+        self.role = role
+        where = f" (artefact {artefact})" if artefact else ""
+        super().__init__(f"{role}_fingerprint", expected, got,
+                         f"the adapter was fitted for another {role} model{where}; fit one for this pair")
+
+
+class ArtefactError(KVRelayError):
+    """An adapter artefact folder is missing, incomplete, or not in the format this version reads."""

@@ -1,0 +1,106 @@
+"""The ridge adapter and its artefact on tiny random models: a known exact map, round trips, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.agents.agent import Agent
+from kvrelay.core.errors import AdapterMismatch, ArtefactError, IncompatiblePayload
+from kvrelay.fuse import artefact, ridge
+from kvrelay.fuse.adapter import mha_from_gqa
+from kvrelay.fuse.bridge import TokenBridge
+from kvrelay.kv.cache import to_cache
+from kvrelay.models.generate import forward_all
+from kvrelay.models.identity import model_identity
+from kvrelay.models.tiny import TinyLM, tiny_lm
+from tests.conftest import random_ids
+
+TRAINING = {"datasets": ["random token ids"], "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Sharer: tiny GQA llama. Receiver: its exactly equivalent MHA copy (a known linear map exists)."""
+    gqa = tiny_lm("llama")
+    mha = mha_from_gqa(gqa.model)
+    return gqa, TinyLM("tiny-llama-mha", mha, gqa.tokenizer, model_identity(mha, gqa.tokenizer))
+
+
+@pytest.fixture(scope="module")
+def fitted(pair):
+    sharer, receiver = pair
+    readings = [[2, 6, 8] + random_ids(40, 100 + i) for i in range(16)]  # a shared 3-token opening (anchor)
+    state = ridge.fit(sharer, receiver, readings, tuple(range(4)))
+    return ridge.to_artefact(state, ("receiver", receiver.identity), ("sharer", sharer.identity), TRAINING)
+
+
+def test_ridge_recovers_an_exact_head_map(pair, fitted):
+    sharer, receiver = pair
+    config, tensors = fitted
+    assert min(config.metrics["r2_k"] + config.metrics["r2_v"]) > 0.999
+    assert config.alignment["anchor_ids"] == [2, 6, 8]
+    adapter = ridge.RidgeAdapter(config, tensors)
+    ctx, new = [2, 6, 8] + random_ids(15, 7), random_ids(5, 8)
+    usable = Agent(receiver, adapter=adapter).check(Agent(sharer).prefill(ctx))
+    assert usable.meta.adapter.startswith("ridge@") and usable.meta.model_fingerprint == receiver.identity.fingerprint
+    own = Agent(receiver).prefill(ctx)
+    for a, b in zip(usable.keys + usable.values, own.keys + own.values, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-2
+    pos = torch.arange(18, 23)[None]
+    got = forward_all(receiver.model, torch.tensor([new]), pos, to_cache(usable, receiver.model.config), None)
+    ref = forward_all(receiver.model, torch.tensor([new]), pos, to_cache(own, receiver.model.config), None)
+    assert (got - ref).abs().max().item() < 1e-2
+
+
+def test_artefact_round_trip_and_fingerprint_refusal(tmp_path, pair, fitted):
+    sharer, receiver = pair
+    config, tensors = fitted
+    folder = artefact.save(tmp_path / "a", config, tensors)
+    config2, tensors2 = artefact.load(folder)
+    assert config2 == config and set(tensors2) == set(tensors)
+    assert all(torch.allclose(tensors2[k], tensors[k], atol=1e-2, rtol=1e-3) for k in tensors)
+    adapter = ridge.RidgeAdapter.load(folder)
+    assert adapter.fingerprint == ridge.RidgeAdapter.load(folder).fingerprint
+    other = tiny_lm("llama", seed=3)
+    with pytest.raises(AdapterMismatch, match="receiver"):
+        adapter.adapt(Agent(sharer).prefill(random_ids(6, 1)), other.identity)
+    with pytest.raises(AdapterMismatch, match="sharer") as e:
+        adapter.adapt(Agent(other).prefill(random_ids(6, 1)), receiver.identity)
+    assert isinstance(e.value, IncompatiblePayload)
+    with pytest.raises(ArtefactError):
+        artefact.load(tmp_path / "missing")
+    (folder / artefact.CONFIG).write_text('{"format": "other"}')
+    with pytest.raises(ArtefactError, match="format"):
+        artefact.load(folder)
+
+
+def test_config_rejects_a_layer_map_of_the_wrong_length(fitted):
+    config, _ = fitted
+    with pytest.raises(ValueError, match="layer_map"):
+        artefact.ArtefactConfig("ridge", config.receiver, config.sharer, (0, 1))
+
+
+def _shuffled_tokenizer():
+    """The tiny word-level tokenizer with another id for every word: a second vocabulary over the same text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvrelay.models.tiny import SPECIALS, WORDS
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + list(reversed(WORDS)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+
+
+def test_bridge_maps_a_reading_into_another_vocabulary():
+    a = tiny_lm("llama").tokenizer
+    b = _shuffled_tokenizer()
+    text = "the blue vault code is seven"
+    ids = a(text, add_special_tokens=False)["input_ids"]
+    r_ids, index = TokenBridge(a, b).receiver_reading(ids)
+    assert b.decode(r_ids) == text and r_ids != ids
+    assert index.tolist() == list(range(len(ids)))
+    same_ids, same_index = TokenBridge().receiver_reading(ids)
+    assert same_ids == ids and same_index.tolist() == list(range(len(ids)))
