@@ -59,3 +59,19 @@ class AdapterMismatch(IncompatiblePayload):
 
 class ArtefactError(KVRelayError):
     """An adapter artefact folder is missing, incomplete, or not in the format this version reads."""
+
+
+class PayloadNotFound(KVRelayError, KeyError):
+    """No live payload under a key in a store (never written, deleted, or expired)."""
+
+    def __init__(self, key: str, store: str, detail: str = ""):
+        self.key, self.store = key, store
+        msg = f"no payload under key {key!r} in store {store}"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class UnknownStore(KVRelayError, ValueError):
+    """A store URL is none of ``memory://[NAME]``, ``file:///ABS/DIR`` (or a directory path), ``redis://HOST:PORT/DB``."""

@@ -1,0 +1,152 @@
+"""``DiskStore``: one kvrelay/1 file per key under a folder (``file:///abs/dir`` or a plain path).
+
+Files are written to a temporary name and renamed into place, so readers see the old file or the
+new one, never a partial one, and a reader that has mapped a file keeps that version even if a
+writer replaces it meanwhile. Safe for many processes sharing a folder on one machine (a local
+filesystem). Every payload file is a plain kvrelay/1 file (``kvrelay inspect`` reads it)::
+
+    root/payloads/<fp[:16]>/<hash>.safetensors       the bytes (content keys; others: payloads/_/<sha256(key)>)
+    root/payloads/<fp[:16]>/<hash>.json              {key, expires_at, full, version}: written after the bytes
+    root/prefix/<b[:2]>/<b>/<sha256(key)[:32]>.json   prefix index entries under boundary hash b
+
+``version`` is the sha256 of the file's header (which holds every tensor digest), so a sidecar's
+expiry applies to exactly the bytes it was written with; a reader that finds the two out of step
+(a writer between its two renames) reads again. ``fsync=False`` (default) trades durability across
+a machine crash for speed; a file torn by a crash is refused by its checksum, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import time
+from pathlib import Path
+
+from kvrelay.core.errors import PayloadNotFound
+from kvrelay.kv.wire import atomic_write
+from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl, header_bytes
+from kvrelay.transport.keys import PrefixEntry, Tokens, match, parse_key, query_boundaries
+
+_RETRIES = 8
+
+
+def _version(parts) -> str:
+    return hashlib.sha256(header_bytes(parts)).hexdigest()[:32]
+
+
+class DiskStore(PayloadMethods):
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False):
+        self.root = Path(root).expanduser().resolve()
+        self.url = f"file://{self.root}"
+        self.fsync = fsync
+        (self.root / "payloads").mkdir(parents=True, exist_ok=True)
+        (self.root / "prefix").mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        """The payload file of ``key``."""
+        try:
+            k = parse_key(key)
+            return self.root / "payloads" / k.fingerprint_prefix / f"{k.chain_hash}.safetensors"
+        except ValueError:
+            return self.root / "payloads" / "_" / f"{hashlib.sha256(key.encode()).hexdigest()}.safetensors"
+
+    def _sidecar(self, key: str) -> Path:
+        return self.path(key).with_suffix(".json")
+
+    def _index_dir(self, boundary: str) -> Path:
+        return self.root / "prefix" / boundary[:2] / boundary
+
+    # -- bytes ---------------------------------------------------------------------------------
+    def put_bytes(self, key: str, data: Parts, ttl_s: float | None = None, *, index: IndexEntries = (),
+                  full_hash: str = "") -> None:
+        check_ttl(ttl_s)
+        parts = as_parts(data)
+        side = {"key": key, "expires_at": time.time() + ttl_s if ttl_s is not None else None, "full": full_hash,
+                "version": _version(parts)}
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, parts, fsync=self.fsync)
+        atomic_write(self._sidecar(key), json.dumps(side).encode(), fsync=self.fsync)
+        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
+        for boundary, e in index:
+            folder = self._index_dir(boundary)
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(folder / name, e.to_json().encode(), fsync=False)
+
+    def _read_sidecar(self, key: str) -> dict | None:
+        try:
+            d = json.loads(self._sidecar(key).read_bytes())
+            return d if isinstance(d, dict) and d.get("key") == key else None
+        except (FileNotFoundError, ValueError):
+            return None
+
+    @staticmethod
+    def _expired(side: dict | None) -> bool:
+        return side is not None and side.get("expires_at") is not None and time.time() >= float(side["expires_at"])
+
+    def get_bytes(self, key: str) -> memoryview:
+        """A read-only view of the mapped file (the mapping lives as long as the view)."""
+        for _ in range(_RETRIES):
+            side = self._read_sidecar(key)
+            try:
+                with open(self.path(key), "rb") as f:
+                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            except (FileNotFoundError, ValueError):  # ValueError: an empty file cannot be mapped
+                raise PayloadNotFound(key, self.url) from None
+            if side is None or side.get("version") == _version([view]):
+                break  # the sidecar describes these bytes (or there is none: no expiry)
+        if self._expired(side):
+            raise PayloadNotFound(key, self.url, "expired")
+        return view
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file() and not self._expired(self._read_sidecar(key))
+
+    def delete(self, key: str) -> bool:
+        self._sidecar(key).unlink(missing_ok=True)
+        try:
+            self.path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    # -- prefixes ------------------------------------------------------------------------------
+    def longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
+        found: list[list[PrefixEntry]] = []
+        files: dict[PrefixEntry, Path] = {}
+        for b in query_boundaries(fingerprint, token_ids):
+            entries = []
+            folder = self._index_dir(b)
+            for f in (folder.iterdir() if folder.is_dir() else ()):
+                if f.suffix != ".json":
+                    continue
+                try:
+                    e = PrefixEntry.from_json(f.read_bytes())
+                except (FileNotFoundError, ValueError, KeyError):
+                    continue
+                entries.append(e)
+                files[e] = f
+            found.append(entries)
+        for e, n in match(token_ids, found):
+            side = self._read_sidecar(e.key)
+            if side is not None and not self._expired(side) and side.get("full") == e.full_hash \
+                    and self.path(e.key).is_file():
+                return e.key, n
+            files[e].unlink(missing_ok=True)  # stale hint (an entry is rewritten only by a put of the same key)
+        return None
+
+    def sweep(self) -> int:
+        """Delete expired payload files; returns how many. (Index entries go lazily, on lookup.)"""
+        n = 0
+        for f in (self.root / "payloads").glob("*/*.json"):
+            try:
+                side = json.loads(f.read_bytes())
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(side, dict) and self._expired(side):
+                f.with_suffix(".safetensors").unlink(missing_ok=True)
+                f.unlink(missing_ok=True)
+                n += 1
+        return n

@@ -1,0 +1,68 @@
+"""``MemoryStore``: kvrelay/1 bytes in a dict with expiry times, for agents in one process (``memory://``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvrelay.core.errors import PayloadNotFound
+from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl
+from kvrelay.transport.keys import BLOCK_TOKENS, PrefixEntry, Tokens, match, query_boundaries
+
+
+class MemoryStore(PayloadMethods):
+    """Bytes under keys, in this process. A put joins the parts once; a get returns a view of them."""
+
+    def __init__(self, name: str = "") -> None:
+        self.url = f"memory://{name}"
+        self._items: dict[str, tuple[bytes, float | None, str]] = {}  # key -> (bytes, expires_at, full hash)
+        self._index: dict[str, dict[str, PrefixEntry]] = {}  # boundary hash -> key -> entry
+        self._lock = threading.Lock()
+
+    def put_bytes(self, key: str, data: Parts, ttl_s: float | None = None, *, index: IndexEntries = (),
+                  full_hash: str = "") -> None:
+        check_ttl(ttl_s)
+        blob = b"".join(as_parts(data))
+        expires = time.monotonic() + ttl_s if ttl_s is not None else None
+        with self._lock:
+            self._items[key] = (blob, expires, full_hash)
+            for boundary, e in index:
+                self._index.setdefault(boundary, {})[key] = e
+
+    def _live(self, key: str):
+        item = self._items.get(key)
+        if item is not None and item[1] is not None and time.monotonic() >= item[1]:
+            del self._items[key]
+            return None
+        return item
+
+    def get_bytes(self, key: str) -> memoryview:
+        with self._lock:
+            item = self._live(key)
+        if item is None:
+            raise PayloadNotFound(key, self.url)
+        return memoryview(item[0])
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return self._live(key) is not None
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._items.pop(key, None) is not None
+
+    def longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
+        bounds = query_boundaries(fingerprint, token_ids)
+        with self._lock:
+            found = [list(self._index.get(b, {}).values()) for b in bounds]
+            for e, n in match(token_ids, found):
+                item = self._live(e.key)
+                if item is not None and item[2] == e.full_hash:
+                    return e.key, n
+                # a stale hint: the payload is gone or was replaced by other tokens under that key
+                self._index[bounds[e.start // BLOCK_TOKENS]].pop(e.key, None)
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(self._live(k) is not None for k in list(self._items))

@@ -1,0 +1,82 @@
+"""Payloads on byte stores: ``put_payload`` / ``get_payload`` of a ``KVPayload`` under any codec.
+
+What a store holds is one kvrelay/1 file (``kv.wire``):
+
+* codec ``raw``: the payload itself (``wire.encode_parts``, zero-copy parts), indexed by prefix so
+  ``longest_prefix`` can find it (``keys.prefix_entries``);
+* any other codec (``fp16``, ``int8``, ``int4``, ``evict:F``, chains, see ``kv.codecs``): the codec's
+  output (``Compressed.to_wire`` -> ``wire.pack_parts``). Lossy payloads are not prefix-indexed: a
+  receiver reusing a prefix gets exactly what the sender cached, or nothing.
+
+``get_payload`` reads either back as a float ``KVPayload`` with codec ``raw`` (a compressed one is
+decompressed to the producer's dtype; lossy stages are not undone), checked against ``expect``
+(a receiver's ``ModelIdentity``) when given. A missing or expired key is ``PayloadNotFound``.
+"""
+
+from __future__ import annotations
+
+from kvrelay.kv import codecs, wire
+from kvrelay.kv.compat import check_meta
+from kvrelay.kv.payload import KVPayload
+from kvrelay.models.identity import ModelIdentity
+from kvrelay.transport.bytestore import ByteStore
+from kvrelay.transport.keys import key_for, payload_key, prefix_entries, sequence_hash, single_sequence
+
+
+def _full_hash(p: KVPayload) -> str:
+    ids = single_sequence(p)
+    return sequence_hash(p.meta.model_fingerprint, ids) if ids is not None else ""
+
+
+def compressed_key(c: codecs.Compressed) -> str:
+    """The content key of a codec's output: its model, its tokens and the codec's canonical name."""
+    ids = c.tensors["token_ids"]
+    if ids.shape[0] != 1 or not bool(c.tensors["mask"].all()):
+        raise ValueError("only a single unpadded sequence has a content key; pass key= for batches")
+    return f"{key_for(c.meta.model_fingerprint, ids[0])}+{c.name}"
+
+
+def put_payload(store: ByteStore, payload: KVPayload | codecs.Compressed, codec: str = "raw",
+                ttl_s: float | None = None, *, key: str | None = None, **codec_ctx) -> str:
+    """Store ``payload`` encoded with ``codec`` and return its key (default: its content key, with
+    ``+CODEC`` appended for a codec other than raw). A ``Compressed`` is stored as it is (``codec`` is
+    then its own). ``codec_ctx`` goes to ``codecs.compress`` (``model=``, ``probe_ids=``, ... for eviction)."""
+    if isinstance(payload, codecs.Compressed):
+        c = payload
+    else:
+        c = None if codecs.parse(codec).lossless else codecs.compress(payload, codec, **codec_ctx)
+    if c is None:
+        key = payload_key(payload) if key is None else key
+        store.put_bytes(key, wire.encode_parts(payload), ttl_s, index=prefix_entries(key, payload),
+                        full_hash=_full_hash(payload))
+        return key
+    if key is None:
+        key = payload_key(payload) + f"+{c.name}" if isinstance(payload, KVPayload) else compressed_key(c)
+    store.put_bytes(key, wire.pack_parts(*c.to_wire()), ttl_s)
+    return key
+
+
+def decode_bytes(data, *, expect: ModelIdentity | None = None) -> KVPayload:
+    """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload``."""
+    meta = wire.read_meta(data)
+    if meta.get("codec", "raw") == "raw":
+        return wire.decode(data, expect=expect)
+    c = compressed_from_bytes(data)
+    if expect is not None:
+        check_meta(c.meta, expect)
+    return codecs.decompress(c)
+
+
+def compressed_from_bytes(data) -> codecs.Compressed:
+    """kvrelay/1 bytes -> ``Compressed`` (every tensor digest verified), without decompressing."""
+    return codecs.Compressed.from_wire(*wire.unpack(data))
+
+
+def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = None) -> KVPayload:
+    """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it)."""
+    return decode_bytes(store.get_bytes(key), expect=expect)
+
+
+def get_compressed(store: ByteStore, key: str) -> codecs.Compressed:
+    """The codec output under ``key``, not decompressed (``codecs.decompress`` it, or measure that)."""
+    return compressed_from_bytes(store.get_bytes(key))
