@@ -181,3 +181,41 @@ def test_runner_resume_drops_an_unfinished_last_record(qwen, tmp_path):
     path.write_text(lines[0] + "\n{oops\n" + "\n".join(lines[1:]) + "\n")
     with pytest.raises(AuditResumeMismatch, match=r"records.jsonl:2: not an audit record"):
         AuditRunner(cfg, qwen, tmp_path).run()
+
+
+# -- the mismatch control: whose reading is each task's mismatched payload --------------------------------
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_mismatch_partner_is_a_different_task_adjacent_in_length(n):
+    from kvrelay.audit.runner import mismatch_partners, run_order
+    from kvrelay.audit.tasks import load_tasks
+
+    tasks = load_tasks("gen_easy", limit=n, seed=0)
+    order = run_order(tasks)
+    size = [len(t.context) + len(t.prompt) for t in tasks]
+    assert sorted(order) == list(range(n)) and [size[i] for i in order] == sorted(size)
+    partners = mismatch_partners(order)
+    assert all(partners[i] != i for i in range(n))  # kv_mismatched must never be the task's own reading
+    assert sorted(partners) == list(range(n))  # each task is the partner of exactly one other
+    rank = {i: k for k, i in enumerate(order)}
+    assert all(rank[partners[i]] == (rank[i] + 1) % n for i in range(n))  # the next in run order: similar length
+    with pytest.raises(ValueError, match="at least 2"):
+        mismatch_partners(order[:1])
+
+
+def test_runner_gives_each_task_another_tasks_reading_of_its_own_length(qwen, tmp_path):
+    from kvrelay.audit.runner import mismatch_partners, run_order
+    from kvrelay.audit.tasks import load_tasks
+
+    runner = AuditRunner(AuditConfig(model="tiny", tasks=("gen_easy",), arms=("kv", "kv_mismatched")), qwen, tmp_path)
+    tasks = load_tasks("gen_easy", limit=4, seed=0)
+    order = run_order(tasks)
+    partners = mismatch_partners(order)
+    head, tail = runner._head_tail()
+    for batch in (order[:2], order[2:]):
+        for st in runner.read_batch(tasks, batch, partners):
+            own, other = st.payload, st.mismatched
+            assert other is not None and other.num_tokens == own.num_tokens  # length-matched
+            assert not torch.equal(other.token_ids, own.token_ids)
+            body = other.token_ids[0, len(head):own.num_tokens - len(tail)].tolist()
+            assert body[:12] == runner.sender.encode(tasks[partners[st.index]].context)[:12]
+            assert body[:12] != runner.sender.encode(st.task.context)[:12]

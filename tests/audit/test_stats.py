@@ -362,3 +362,56 @@ def test_one_task_gives_no_interval_and_says_so():
     assert row["estimate"] == 75.0 and row["ci_low"] is None and row["p_value"] is None and row["n"] == 2
     assert s["unmatched"][0]["missing_outcome"] == {"latency_s": 2}  # latency None in the kv arm
     assert "too few tasks" in s["verdict"]
+
+
+# ---------------------------------------------------------------- TOST: both one-sided tests bind
+def _t4_cdf(t: float) -> float:
+    """Student t CDF with 4 df, closed form (no scipy): 1/2 + 3/8 u (1 - t^2 / (12 (1 + t^2/4))), u = t / sqrt(1 + t^2/4)."""
+    u = t / math.sqrt(1 + t**2 / 4)
+    return 0.5 + 3 / 8 * u * (1 - t**2 / (12 * (1 + t**2 / 4)))
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_tost_a_ten_point_effect_is_not_equivalent(sign):
+    """Asymmetric, non-zero differences: a -10-point effect must fail the *lower* test (and +10 the upper)."""
+    d = sign * np.array([7.0, 9.0, 10.0, 11.0, 13.0])  # mean 10*sign, sd sqrt(5), se 1
+    r = tost_paired(d, margin=2.8)
+    assert r.estimate == pytest.approx(10.0 * sign) and r.se == pytest.approx(1.0)
+    lower, upper = 1.0 - _t4_cdf((r.estimate + 2.8) / 1.0), _t4_cdf((r.estimate - 2.8) / 1.0)
+    assert r.p_lower == pytest.approx(lower, rel=1e-9) and r.p_upper == pytest.approx(upper, rel=1e-9)
+    binding = lower if sign < 0 else upper
+    assert binding > 0.99 and r.p_tost == pytest.approx(binding, rel=1e-9)
+    assert r.p_tost == max(r.p_lower, r.p_upper)
+    assert not (r.ci_low >= -2.8 and r.ci_high <= 2.8)
+
+
+def test_tost_small_asymmetric_effect_is_equivalent_and_uses_both_sides():
+    d = np.array([-0.5, 0.2, 0.3, 0.6, 0.9])  # mean 0.3, inside +-2.8
+    r = tost_paired(d, margin=2.8)
+    se = float(np.std(d, ddof=1) / math.sqrt(5))
+    assert r.se == pytest.approx(se)
+    assert r.p_lower == pytest.approx(1.0 - _t4_cdf((0.3 + 2.8) / se), rel=1e-9)
+    assert r.p_upper == pytest.approx(_t4_cdf((0.3 - 2.8) / se), rel=1e-9)
+    assert r.p_lower != r.p_upper and r.p_tost == max(r.p_lower, r.p_upper) < 0.05
+
+
+def test_tost_zero_se_just_outside_below_is_not_equivalent():
+    assert tost_paired(np.full(6, -3.0), margin=2.8).p_tost == 1.0
+    assert tost_paired(np.full(6, -2.0), margin=2.8).p_tost == 0.0
+
+
+def test_summary_does_not_call_a_minus_ten_point_pairing_effect_equivalent():
+    """Shared regime where the mismatched payload does 10 points *better* (kv - kv_mismatched = -10)."""
+    rng = np.random.default_rng(3)
+    records = make_records(rng, {("shared", "arc_challenge"): 60}, {"kv": 0.5, "kv_mismatched": 0.5, "none": 0.3})
+    by_task: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by_task.setdefault(r["task_id"], {})[r["arm"]] = r
+    for i, arms in enumerate(by_task.values()):  # 6 of 60 tasks flip to mismatched-only success: -10 points
+        arms["kv"]["score"] = float(i % 2)
+        arms["kv_mismatched"]["score"] = float(i % 2 or i < 12)
+    s = summarize(records, n_boot=200, seed=0)
+    eq = [e for e in s["equivalence"] if e["task"] == "ALL" and e["contrast"] == "pairing"][0]
+    assert eq["estimate"] == pytest.approx(-10.0)
+    assert eq["equivalent"] is False and eq["p_tost"] > 0.05
+    assert "not equivalent to 0 at ±2.8" in s["verdict"] and "disagrees with the paper" in s["verdict"]

@@ -53,6 +53,24 @@ MAX_NEW = {"qa_success": 16, "exact_match": 16, "token_f1": 16, "contains": 16, 
            "yes_no": 4, "final_number": 160}
 
 
+def run_order(tasks: list[Task]) -> list[int]:
+    """Task indices in run order: by length (context + prompt characters), ties by index, so tasks of
+    similar length share a batch (less padding)."""
+    return sorted(range(len(tasks)), key=lambda i: (len(tasks[i].context) + len(tasks[i].prompt), i))
+
+
+def mismatch_partners(order: list[int]) -> list[int]:
+    """``partners[i]``: the task whose reading is task ``i``'s mismatched payload — the next task in run
+    order (a fixed shift, wrapping), so never ``i`` itself when there are two tasks or more, of
+    adjacent length, and every task is the partner of exactly one other."""
+    if len(order) < 2:
+        raise ValueError(f"a mismatch partner needs at least 2 tasks, got {len(order)}")
+    partners = [0] * len(order)
+    for k, i in enumerate(order):
+        partners[i] = order[(k + 1) % len(order)]
+    return partners
+
+
 class AuditResumeMismatch(KVRelayError, ValueError):
     """A run was asked to continue a folder whose records were made under different settings."""
 
@@ -228,30 +246,35 @@ class AuditRunner:
             })
         return rows
 
+    def read_batch(self, tasks: list[Task], batch: list[int], partners: list[int]) -> list[_TaskState]:
+        """The sender reads each task of ``batch`` (indices into ``tasks``); with a mismatch arm, each
+        state also gets its length-matched mismatched payload from task ``partners[i]``."""
+        states = []
+        for i in batch:
+            t0 = time.perf_counter()
+            p = self.sender.read(tasks[i].context)
+            states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
+        if any(a.needs_mismatch for a in self.arms):
+            read = {st.index: st.payload for st in states}
+            for st in states:
+                j = partners[st.index]
+                st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read.get(j))
+        return states
+
     def run_set(self, name: str, done: set, sink, limit: int | None = None) -> None:
         tasks = load_tasks(name, limit=limit, seed=0)
         if len(tasks) < 2:
             raise ValueError(f"task set {name!r} has {len(tasks)} task(s); the mismatched arm needs at least 2")
         max_new = MAX_NEW.get(tasks[0].scorer, 16)
         bs = self.cfg.batch_size
-        # Batch tasks of similar length together (less padding); mismatch partners keep the set's order.
-        order = sorted(range(len(tasks)), key=lambda i: (len(tasks[i].context) + len(tasks[i].prompt), i))
-        pos = {i: k for k, i in enumerate(order)}
+        order = run_order(tasks)
+        partners = mismatch_partners(order)
         for b0 in range(0, len(tasks), bs):
             batch = order[b0:b0 + bs]
             todo = {(tasks[i].id, a.name, s) for i in batch for a in self.arms for s in self.cfg.seeds} - done
             if not todo:
                 continue
-            states = []
-            for i in batch:
-                t0 = time.perf_counter()
-                p = self.sender.read(tasks[i].context)
-                states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
-            if any(a.needs_mismatch for a in self.arms):
-                read = {st.index: st.payload for st in states}
-                for st in states:
-                    j = order[(pos[st.index] + 1) % len(tasks)]  # the next task in run order: a fixed shift
-                    st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read.get(j))
+            states = self.read_batch(tasks, batch, partners)
             for k, seed in enumerate(self.cfg.seeds):
                 rot = (b0 // bs + k) % len(self.arms)
                 for arm in self.arms[rot:] + self.arms[:rot]:
