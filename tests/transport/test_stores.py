@@ -95,15 +95,80 @@ def test_put_get_contains_delete(store):
         store.put(key, p, ttl_s=0)
 
 
-def test_ttl_expiry(store):
+class Clock:
+    """A clock the test moves by hand: expiry is decided by it, never by sleeping."""
+
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def wait_until(cond, timeout_s: float = 30.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout_s`` passes (a bounded wait for server-side expiry)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_ttl_expiry_follows_the_clock(kind, tmp_path):
+    clock = Clock()
+    store = MemoryStore(clock=clock) if kind == "memory" else DiskStore(tmp_path / "s", clock=clock)
     keep = put_payload(store, fake_payload(5))
-    key = put_payload(store, fake_payload(4), ttl_s=1.0)
-    assert store.contains(key)
-    time.sleep(1.2)
+    key = put_payload(store, fake_payload(4), ttl_s=10.0)
+    clock.t += 9.999
+    assert store.contains(key) and same(store.get(key), fake_payload(4))
+    clock.t += 0.001  # expiry is inclusive: at exactly ttl_s it is gone
     assert not store.contains(key) and store.contains(keep)
     with pytest.raises(KeyError):
         store.get(key)
     assert store.longest_prefix(FP, fake_payload(4).token_ids[0]) is None
+    assert store.longest_prefix(FP, fake_payload(5).token_ids[0]) is not None
+
+
+@pytest.mark.redis
+def test_redis_ttl_expiry(redis_store):
+    keep = put_payload(redis_store, fake_payload(5))
+    key = put_payload(redis_store, fake_payload(4), ttl_s=0.05)
+    assert 0 < redis_store.client.pttl(f"{redis_store.namespace}:m:{key}") <= 50
+    assert wait_until(lambda: not redis_store.contains(key)), "Redis never expired a 50 ms payload"
+    assert redis_store.contains(keep)
+    with pytest.raises(KeyError):
+        redis_store.get(key)
+    assert redis_store.longest_prefix(FP, fake_payload(4).token_ids[0]) is None
+
+
+@pytest.mark.redis
+def test_redis_prefix_index_ttl_never_shortens(redis_store):
+    """Every payload shares the index hash of the empty prefix; a short-lived put must not expire it."""
+    r, ns = redis_store.client, redis_store.namespace
+
+    def index_ttls() -> list[int]:
+        return [r.pttl(k) for k in r.scan_iter(match=f"{ns}:p:*", count=1000)]
+
+    forever = fake_payload(6, T=50)
+    k_forever = put_payload(redis_store, forever)
+    assert index_ttls() and all(t == -1 for t in index_ttls())
+    short = put_payload(redis_store, fake_payload(7, T=40), ttl_s=0.05)
+    shared = f"{ns}:p:{block_hashes(FP, [])[0]}"
+    assert r.pttl(shared) == -1  # the long-lived payload's index stays forever
+    assert wait_until(lambda: not redis_store.contains(short))
+    assert redis_store.longest_prefix(FP, forever.token_ids[0].tolist() + [1]) == (k_forever, 50)
+
+    redis_store.clear()
+    k_long = put_payload(redis_store, forever, ttl_s=1000)
+    put_payload(redis_store, fake_payload(8, T=40), ttl_s=5)
+    assert 900_000 < r.pttl(shared) <= 1_000_000  # kept at the longest entry's TTL, not the newest
+    put_payload(redis_store, fake_payload(9, T=40), ttl_s=2000)
+    assert 1_900_000 < r.pttl(shared) <= 2_000_000  # a longer one lengthens it
+    put_payload(redis_store, fake_payload(10, T=40))
+    assert r.pttl(shared) == -1  # one without TTL makes it permanent
+    assert redis_store.longest_prefix(FP, forever.token_ids[0]) == (k_long, 50)
 
 
 def test_longest_prefix_lookup(store):
@@ -275,7 +340,8 @@ def test_disk_readers_always_see_complete_payloads(tmp_path, pool):
 
 
 def test_disk_store_threads_and_sweep(tmp_path):
-    store = DiskStore(tmp_path / "s")
+    clock = Clock()
+    store = DiskStore(tmp_path / "s", clock=clock)
     keys = [put_payload(store, fake_payload(s), ttl_s=0.2 if s % 2 else None) for s in range(6)]
     errors: list[str] = []
 
@@ -290,8 +356,11 @@ def test_disk_store_threads_and_sweep(tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    time.sleep(0.25)
+    assert store.sweep() == 0  # nothing has expired yet
+    clock.t += 0.2
     assert store.sweep() == 3 and [store.contains(k) for k in keys] == [True, False] * 3
+    assert sorted(p.name for p in (tmp_path / "s" / "payloads").rglob("*.safetensors")) == sorted(
+        store.path(k).name for k in keys[::2])  # the sweep removed the expired files themselves
 
 
 def test_disk_store_refuses_a_damaged_file(tmp_path):

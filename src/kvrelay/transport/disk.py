@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay.core.errors import PayloadNotFound
@@ -37,7 +38,9 @@ def _version(parts) -> str:
 
 
 class DiskStore(PayloadMethods):
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = False):
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False, clock: Callable[[], float] = time.time):
+        """``clock``: seconds since the epoch for expiry times (the sidecars store absolute times)."""
+        self.clock = clock
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.fsync = fsync
@@ -63,7 +66,7 @@ class DiskStore(PayloadMethods):
                   full_hash: str = "") -> None:
         check_ttl(ttl_s)
         parts = as_parts(data)
-        side = {"key": key, "expires_at": time.time() + ttl_s if ttl_s is not None else None, "full": full_hash,
+        side = {"key": key, "expires_at": self.clock() + ttl_s if ttl_s is not None else None, "full": full_hash,
                 "version": _version(parts)}
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,9 +85,8 @@ class DiskStore(PayloadMethods):
         except (FileNotFoundError, ValueError):
             return None
 
-    @staticmethod
-    def _expired(side: dict | None) -> bool:
-        return side is not None and side.get("expires_at") is not None and time.time() >= float(side["expires_at"])
+    def _expired(self, side: dict | None) -> bool:
+        return side is not None and side.get("expires_at") is not None and self.clock() >= float(side["expires_at"])
 
     def get_bytes(self, key: str) -> memoryview:
         """A read-only view of the mapped file (the mapping lives as long as the view)."""

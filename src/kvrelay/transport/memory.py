@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from kvrelay.core.errors import PayloadNotFound
 from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl
@@ -13,7 +14,8 @@ from kvrelay.transport.keys import BLOCK_TOKENS, PrefixEntry, Tokens, match, que
 class MemoryStore(PayloadMethods):
     """Bytes under keys, in this process. A put joins the parts once; a get returns a view of them."""
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # seconds, for expiry
         self.url = f"memory://{name}"
         self._items: dict[str, tuple[bytes, float | None, str]] = {}  # key -> (bytes, expires_at, full hash)
         self._index: dict[str, dict[str, PrefixEntry]] = {}  # boundary hash -> key -> entry
@@ -23,7 +25,7 @@ class MemoryStore(PayloadMethods):
                   full_hash: str = "") -> None:
         check_ttl(ttl_s)
         blob = b"".join(as_parts(data))
-        expires = time.monotonic() + ttl_s if ttl_s is not None else None
+        expires = self.clock() + ttl_s if ttl_s is not None else None
         with self._lock:
             self._items[key] = (blob, expires, full_hash)
             for boundary, e in index:
@@ -31,7 +33,7 @@ class MemoryStore(PayloadMethods):
 
     def _live(self, key: str):
         item = self._items.get(key)
-        if item is not None and item[1] is not None and time.monotonic() >= item[1]:
+        if item is not None and item[1] is not None and self.clock() >= item[1]:
             del self._items[key]
             return None
         return item
