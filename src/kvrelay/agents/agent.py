@@ -7,7 +7,9 @@ Two position layouts for a relayed payload (docs/architecture.md):
   computed by prefilling the relayed tokens itself.
 * ``replace`` — the receiver keeps its own prefix (its role prompt at positions 0..S-1) and the
   payload is moved behind it by RoPE re-rotation. Positions are exact; content is not, because
-  the relayed K/V never attended to the receiver's prefix. Its quality cost is measured, not assumed.
+  the relayed K/V never attended to the receiver's prefix. Its quality cost is measured, not assumed;
+  ``respond(..., layout="replace", repair="recompute:tokens=F")`` recomputes the fraction ``F`` of
+  relayed tokens whose K/V deviate most once they attend to the prefix (``fuse.repair``).
 
 A receiver never uses a payload it cannot prove compatible (same model fingerprint, tokenizer,
 format, every layer held) or one older than what it already holds from that producer.
@@ -23,6 +25,7 @@ import torch
 
 from kvrelay.agents.receive import RoundBook, receive
 from kvrelay.fuse.adapter import Adapter
+from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
 from kvrelay.kv.cache import from_cache, to_cache
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.transforms import concat, pad_batch, shift_positions
@@ -139,7 +142,7 @@ class Agent:
 
     def respond(self, prompt: str, context: Context = None, *, layout: str = "continue",
                 max_new_tokens: int | None = None, return_payload: bool = False,
-                min_new_tokens: int = 0) -> Response:
+                min_new_tokens: int = 0, repair: str | RepairSpec | None = None) -> Response:
         """Answer ``prompt`` greedily, given a relayed payload, a text context, raw token ids, or nothing.
 
         * ``KVPayload``: relayed cache (checked, then used in ``layout``).
@@ -147,9 +150,14 @@ class Agent:
         * token ids: re-encoded verbatim — with a payload's ``token_ids`` this is the exact text baseline.
 
         ``min_new_tokens`` suppresses stop tokens until that many tokens are written (benchmarks).
+        ``repair`` (replace layout only): recompute part of the moved payload behind the prefix; its cost
+        is part of ``cache_build_s`` and so of ``ttft_s``.
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if repair is not None and (layout != "replace" or not isinstance(context, KVPayload)):
+            raise ValueError("repair applies to a relayed payload in the replace layout; a payload from another "
+                             "model is repaired by the receiver's adapter (fuse.repair.repair_adapter)")
         n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         t0 = time.perf_counter()
         relayed = 0
@@ -162,6 +170,10 @@ class Agent:
                 start = prefix.num_tokens if prefix is not None else 0
                 moved = shift_positions(context, start - int(context.positions[0, 0]))
                 context = concat(prefix, moved) if prefix is not None else moved
+                if repair is not None and prefix is not None:
+                    spec = parse_repair(repair) if isinstance(repair, str) else repair
+                    context, _ = selective_recompute(self.model, context, spec.plan(self.identity.num_layers),
+                                                     exact_prefix=start)
                 ids = self.prompt_ids(prompt, with_role=False)
             else:
                 ids = self.prompt_ids(prompt)
