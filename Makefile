@@ -6,7 +6,7 @@ MODEL ?= qwen2.5-coder-0.5b
 OUT ?= out/demo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint setup clean bench-relay
+.PHONY: demo test test-data lint setup clean bench-relay
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,11 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
 
-test: setup lint
+# Data and models the network/integration tests read, fetched once before pytest (no test downloads mid-run).
+test-data: setup
+	$(BIN)/python -m tests.prefetch
+
+test: setup lint test-data
 	$(BIN)/python -m pytest -q -ra
 
 bench-relay: setup

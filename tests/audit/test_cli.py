@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvrelay.cli import app
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.network]  # a real model and a real task set
 
 
 def test_audit_cli_runs_resumes_and_rebuilds(tmp_path):

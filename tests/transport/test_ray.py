@@ -13,8 +13,12 @@ from kvrelay.kv.transforms import to_dtype
 from kvrelay.workflows.ray_executor import ModelSpec, RayWorkflowRunner, payload_from_numpy, payload_to_numpy
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.spec import AgentSpec, chain
+from tests.conftest import missing_service
 
-ray = pytest.importorskip("ray")
+try:
+    import ray
+except ImportError as e:  # ray is in the dev extra: missing only on a partial install
+    missing_service("ray", str(e))
 
 CONTEXT = ("the report of the agent is in the file and the bug is in line seven of the code "
            "the key of the blue vault is four and the answer is not in the plan ") * 3

@@ -24,7 +24,7 @@ from kvrelay.transport.stores import (
     prefix_payload,
     put_payload,
 )
-from tests.conftest import random_ids
+from tests.conftest import missing_service, random_ids
 
 FP = "f0" * 32  # fingerprint of the made-up model of the synthetic payloads
 
@@ -381,7 +381,7 @@ def test_private_redis_server_starts_and_stops(monkeypatch):
     from kvrelay.transport.redis_server import RedisServer, RedisServerError, redis_url_or_private
 
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+        missing_service("redis-server", "not on PATH (apt-get install redis-server)")
     with redis_url_or_private(None) as url:
         client = redis.Redis.from_url(url)
         assert client.ping() and client.config_get("save")["save"] == ""
