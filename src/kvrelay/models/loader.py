@@ -1,4 +1,5 @@
-"""Load a causal LM by zoo name, local folder, GGUF file or transformers id (docs/models.md).
+"""Load a causal LM by zoo name, local folder, GGUF file, transformers id, or ``BASE+ADAPTER`` variant
+(docs/models.md, ``models.variants``).
 
 Every route ends in the same ``LoadedModel``: an eval-mode model (``sdpa`` attention, eager
 where sdpa is unsupported), its tokenizer, and its ``ModelIdentity``. The fingerprint is made
@@ -24,6 +25,13 @@ import torch
 from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
 from kvrelay.models.identity import ModelIdentity, model_identity
+from kvrelay.models.variants import (
+    adapter_digest,
+    adapter_dir,
+    apply_adapter,
+    split_name,
+    variant_weights_digest,
+)
 from kvrelay.models.zoo import ZOO, entry, file_sha256, pull, read_manifest
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,6 +83,8 @@ def clear_model_cache() -> None:
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _load_cached(key: str, dtype: torch.dtype) -> LoadedModel:
+    if key not in ZOO and not Path(key).exists() and (parts := split_name(key)) is not None:
+        return _load_variant(*parts, dtype)
     if key in ZOO:
         return _load_zoo(key, dtype)
     path = Path(key)
@@ -88,6 +98,22 @@ def _load_cached(key: str, dtype: torch.dtype) -> LoadedModel:
     if close and "/" not in key:  # a typo'd zoo name; don't spend 30 s of hub retries on it
         raise UnknownModel(f"{key!r} is not a zoo model; did you mean {close[0]!r}? zoo models are: {', '.join(ZOO)}")
     return _load_hub(key, dtype)
+
+
+def _load_variant(base_name: str, adapter: str, dtype: torch.dtype) -> LoadedModel:
+    """``BASE+ADAPTER``: a fresh copy of the base with the adapter merged (LoRA) or attached (aLoRA).
+
+    Its fingerprint combines the base's with the adapter's digest (``models.variants``).
+    """
+    folder = adapter_dir(adapter)
+    base = load_model(base_name, dtype)
+    if not Path(base.source).is_dir():
+        raise UnknownModel(f"{base_name!r}: a variant's base must be a zoo model or a model folder, got {base.source}")
+    model = apply_adapter(_from_pretrained(base.source, dtype), folder)
+    weights = variant_weights_digest(base.identity.fingerprint, adapter_digest(folder))
+    identity = model_identity(model, base.tokenizer, weights_sha256=weights)
+    return LoadedModel(name=f"{base.name}+{adapter}", model=model, tokenizer=base.tokenizer, identity=identity,
+                       source=f"{base.source}+{folder}", chat=base.chat)
 
 
 def _load_zoo(name: str, dtype: torch.dtype) -> LoadedModel:
