@@ -29,6 +29,7 @@ from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
 from kvrelay.kv.cache import from_cache, to_cache
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.transforms import concat, pad_batch, shift_positions
+from kvrelay.models.engine import mode
 from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
 
@@ -194,7 +195,8 @@ class Agent:
         ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
         pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
         out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
-                       pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens)
+                       pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens,
+                       keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform)
         n = int(out.lengths[0])
         gen = out.tokens[0, :n].tolist()
         payload = None
@@ -205,21 +207,35 @@ class Agent:
                         out.prefill_s, out.decode_s, layout, payload)
 
     def _finish_turn(self, cache, out, ids_t, pos_t, history_ids, history_pos) -> KVPayload:
-        """Feed the last generated token and the end-of-turn marker so the cache holds the whole turn."""
+        """The cache holding the whole turn: context, prompt, answer and the end-of-turn marker.
+
+        Where the engine decodes with other weights than it prefills (``models.engine``), the answer's
+        K/V are recomputed in one prefill over the cache as it was after the prompt, so the payload
+        holds what a reader of the same text computes; otherwise only the tokens the decode loop did
+        not feed (the last one and the end marker) are prefilled.
+        """
         n = int(out.lengths[0])
         gen = out.tokens[0, : out.tokens.shape[1]].tolist()
-        fed = gen[:-1]  # every generated token but the last went through the model already
-        tail = gen[-1:] if n == len(gen) else []  # last token if it was not a stop token
+        prefix_ids = ids_t if history_ids is None else torch.cat((history_ids, ids_t), 1)
+        prefix_pos = pos_t if history_pos is None else torch.cat((history_pos, pos_t), 1)
+        if out.prefill_kv is not None:
+            fed, tail = [], gen[:n]
+            keys, values = zip(*out.prefill_kv, strict=True)
+            after_prompt = KVPayload(keys, values, prefix_ids, prefix_pos, torch.ones_like(prefix_ids, dtype=torch.bool),
+                                     self.meta())
+            cache = to_cache(after_prompt, self.model.config)
+        else:
+            fed = gen[:-1]  # every generated token but the last went through the model already
+            tail = gen[-1:] if n == len(gen) else []  # last token if it was not a stop token
         tail += self.encode(self.fmt.assistant_end)
         start = int(pos_t[0, -1]) + 1 + len(fed)
-        tail_t = torch.tensor([tail], dtype=torch.int64)
-        tail_pos = torch.arange(start, start + len(tail), dtype=torch.int64)[None]
-        forward_last(self.model, tail_t, tail_pos, cache, None)
-        new_ids = torch.cat((ids_t, torch.tensor([fed], dtype=torch.int64).reshape(1, -1), tail_t), dim=1)
-        new_pos = torch.cat((pos_t, torch.arange(int(pos_t[0, -1]) + 1, start, dtype=torch.int64)[None], tail_pos), 1)
-        if history_ids is not None:
-            new_ids = torch.cat((history_ids, new_ids), 1)
-            new_pos = torch.cat((history_pos, new_pos), 1)
+        tail_t = torch.tensor([tail], dtype=torch.int64).reshape(1, -1)  # (1, t)
+        tail_pos = torch.arange(start, start + len(tail), dtype=torch.int64)[None]  # (1, t)
+        if tail:
+            forward_last(self.model, tail_t, tail_pos, cache, None)
+        fed_pos = torch.arange(int(pos_t[0, -1]) + 1, start, dtype=torch.int64)[None]  # (1, len(fed))
+        new_ids = torch.cat((prefix_ids, torch.tensor([fed], dtype=torch.int64).reshape(1, -1), tail_t), dim=1)
+        new_pos = torch.cat((prefix_pos, fed_pos, tail_pos), 1)
         return from_cache(cache, new_ids, new_pos, torch.ones_like(new_ids, dtype=torch.bool),
                           PayloadMeta.from_identity(self.identity, producer=self.name, round=self.round))
 

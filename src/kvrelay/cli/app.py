@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+
 app = typer.Typer(help="Relay KV caches between LLM agents, audit when it pays, decide per request.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Measurements: relay, pipeline, transfer, policy.", no_args_is_help=True)
@@ -56,18 +58,19 @@ def relay(
     role: str = typer.Option("", help="receiver role prompt (used as its prefix in the replace layout)"),
     max_new_tokens: int = typer.Option(48, min=1),
     json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
     """One sender -> receiver relay: the receiver answers from the relayed cache and from the text; both shown."""
     from kvrelay.agents.agent import Agent
-    from kvrelay.models.loader import load_model
+    from kvrelay.cli.common import load_for_cli
 
-    lm = load_model(model)
+    lm = load_for_cli(model, None, engine)
     sender = Agent(lm, "sender", role="You are a careful reader. Read the document.")
     receiver = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens)
     payload = sender.read(_read_context(context))
     text = receiver.respond(question, payload.token_ids, layout=layout)  # re-encode the same tokens
     kv = receiver.respond(question, payload, layout=layout)
-    result = {"model": model, "layout": layout, "kv_answer": kv.text, "text_answer": text.text,
+    result = {"model": model, "engine": lm.engine, "layout": layout, "kv_answer": kv.text, "text_answer": text.text,
               "identical": kv.token_ids == text.token_ids, "kv_ttft_s": kv.ttft_s, "text_ttft_s": text.ttft_s,
               "context_tokens": payload.num_tokens, "payload_bytes": payload.nbytes,
               "ttft_speedup": text.ttft_s / kv.ttft_s}
@@ -90,15 +93,17 @@ def bench_relay_cmd(
     max_new_tokens: int = typer.Option(16, min=1),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     json_path: Path | None = typer.Option(None, "--json"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
     """Receiver TTFT with a relayed cache vs re-encoding the same context, side by side."""
     from kvrelay.bench.relay import bench_relay
     from kvrelay.cli.common import load_for_cli
 
     sizes = [int(x) for x in context_tokens.split(",") if x.strip()]
-    lm = load_for_cli(model, threads)
+    lm = load_for_cli(model, threads, engine)
     res = bench_relay(lm, sizes, repeats, max_new_tokens)
-    t = Table(title=f"bench relay — {model} (medians of {repeats})")
+    res["engine"] = lm.engine
+    t = Table(title=f"bench relay — {model}, engine {lm.engine} (medians of {repeats})")
     for c in ("context", "text TTFT s", "kv TTFT s", "speedup", "ideal", "payload MB", "encode s", "decode s",
               "identical"):
         t.add_column(c, justify="right")

@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+
 app = typer.Typer(help="Causal audit: does the relayed cache carry the right content, and what does it cost?",
                   invoke_without_command=True)
 console = Console()
@@ -63,6 +65,7 @@ def audit(
     batch_size: int | None = typer.Option(None, help="tasks per padded batch"),
     out: Path = typer.Option(Path("out/audit"), help="output folder (re-running resumes)"),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
     """Run the audit into OUT: records.jsonl, summary.json, report.md, report.html."""
     if ctx.invoked_subcommand is not None:
@@ -78,7 +81,7 @@ def audit(
 
     cfg = preset(preset_name, model=model, tasks=_csv(tasks), arms=_csv(arms),
                  seeds=tuple(int(s) for s in _csv(seeds)) if seeds else None, limit=limit, batch_size=batch_size)
-    lm = load_for_cli(cfg.model, threads)
+    lm = load_for_cli(cfg.model, threads, engine)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     runner = AuditRunner(cfg, lm, out)
@@ -99,13 +102,14 @@ def audit(
     prev = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
     merged = json.loads((out / "config.json").read_text())  # what every run into OUT covered, together
     given = {"--preset": preset_name, "--model": model, "--tasks": tasks, "--arms": arms, "--seeds": seeds,
-             "--limit": limit, "--batch-size": batch_size, "--out": out}
+             "--limit": limit, "--batch-size": batch_size, "--out": out,
+             "--engine": engine}
     command = " ".join(["kvrelay audit", *(f"{k} {shlex.quote(str(v))}" for k, v in given.items() if v is not None)])
     meta = {"model": cfg.model, "preset": cfg.preset, "tasks": merged["tasks"], "arms": merged["arms"],
             "seeds": merged["seeds"], "limit": merged["sets"], "elapsed_s": prev.get("elapsed_s", 0.0) + elapsed,
             "threads": torch.get_num_threads(),
             "commands": [*prev.get("commands", [prev["command"]] if "command" in prev else []), command],
-            "fingerprint": lm.identity.fingerprint}
+            "fingerprint": lm.identity.fingerprint, "engine": lm.engine}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     res = finalize(out, margin=cfg.margin, n_boot=cfg.n_boot)
     _print_headline(res["summary"])

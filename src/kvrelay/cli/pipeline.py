@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+
 app = typer.Typer(help="Multi-agent workflows: text vs kv channels.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 console = Console(width=None if Console().is_terminal else 150)
@@ -76,13 +78,14 @@ def pipeline(
     backend: str = typer.Option("inprocess", help="inprocess | ray (every agent a Ray actor; payloads through the "
                                 "object store; --ray-address for an existing cluster, see docs/ray.md)"),
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
     """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
     from kvrelay.bench.pipeline import bench_pipeline
     from kvrelay.bench.plot import plot_pipeline
     from kvrelay.cli.common import load_for_cli
 
-    lm = load_for_cli(model, threads)
+    lm = load_for_cli(model, threads, engine)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
     if backend not in ("inprocess", "ray"):
@@ -95,16 +98,17 @@ def pipeline(
 
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if ray_address else {"num_cpus": 2}))
-        runner_ctx = RayWorkflowRunner(ModelSpec(name=model), wl.workflow, threads=threads)
+        runner_ctx = RayWorkflowRunner(ModelSpec(name=model, engine=lm.engine), wl.workflow, threads=threads)
     with runner_ctx as runner:  # None in process: bench_pipeline runs run_workflow itself
         run = None if runner is None else (lambda wf, ctx, mode: runner.run(ctx, mode=mode))
         res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s), run=run)
     res["backend"] = backend
+    res["engine"] = lm.engine
     res["context_tokens_requested"] = context_tokens
     res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
                       f" --repeats {repeats}" + (f" --layout {layout}" if layout else "")
                       + (f" --threads {threads}" if threads is not None else "")
-                      + (" --backend ray" if backend == "ray" else ""))
+                      + (" --backend ray" if backend == "ray" else "") + f" --engine {engine}")
     print_result(res)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,12 +126,13 @@ def replace_quality_cmd(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds (text offset and fact)"),
     threads: int = typer.Option(None, help="torch intra-op threads"),
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
     """The replace layout's quality cost: outputs vs text mode and exact match on a known fact."""
     from kvrelay.bench.pipeline import replace_quality
     from kvrelay.cli.common import load_for_cli
 
-    lm = load_for_cli(model, threads)
+    lm = load_for_cli(model, threads, engine)
     res = replace_quality(lm, [w.strip() for w in workflows.split(",") if w.strip()], context_tokens,
                           [int(s) for s in seeds.split(",")], model_name=model, progress=console.print)
     t = Table(title=f"replace layout vs text — {model}, {context_tokens} context tokens")

@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+
 app = typer.Typer(help="Payload transfer: stores x codecs x sizes, constrained links, break-even bandwidth.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console(width=None if Console().is_terminal else 160)
@@ -86,12 +88,13 @@ def transfer(
     pipeline_json: Path = typer.Option(DEFAULT_PIPELINE, help="a `bench pipeline` JSON to re-cost across the link"),
     threads: int = typer.Option(None, help="torch intra-op threads"),
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
     """Relay overhead per store x codec x size vs the prefill it saves; break-even bandwidth over emulated links."""
     from kvrelay.bench.transfer import bench_transfer, load_pipeline
     from kvrelay.cli.common import load_for_cli
 
-    lm = load_for_cli(model, threads)
+    lm = load_for_cli(model, threads, engine)
     res = bench_transfer(lm, [int(x) for x in _split(context_tokens)], stores=_split(stores), codec_names=_split(codecs),
                          repeats=repeats, redis_url=redis_url, disk_dir=disk_dir,
                          rates_mbit=[float(x) for x in _split(rates)], link=link, bracket_codecs=_split(bracket),

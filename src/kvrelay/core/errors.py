@@ -36,6 +36,17 @@ class IncompatiblePayload(PayloadError):
         super().__init__(msg + (f"; {detail}" if detail else ""))
 
 
+class EngineMismatch(IncompatiblePayload):
+    """Same weights, another engine mode: the payload's K/V were computed with other kernels."""
+
+    def __init__(self, receiver_engine: str, payload_engine: str):
+        self.receiver_engine, self.payload_engine = receiver_engine, payload_engine
+        super().__init__("engine", receiver_engine, payload_engine,
+                         f"the payload was made by engine {payload_engine!r}, the receiver runs engine "
+                         f"{receiver_engine!r}; accept it explicitly (kvrelay.fuse.engine.AcceptEngines) "
+                         "to use it as a near-compatible payload")
+
+
 class StalePayload(PayloadError):
     """The payload is from an older round than what the receiver already holds."""
 

@@ -1,14 +1,15 @@
 """The one compatibility rule: may a payload with this metadata be used by a model with this identity?
 
 A payload is compatible with a receiver when it was produced by the same weights under the same
-tokenizer and format, and its held layers have the receiver's layer types and window. Anything
+tokenizer and format, in the same engine mode (``models.engine``: the same weights in another mode
+compute slightly different K/V), and its held layers have the receiver's layer types and window. Anything
 else raises ``IncompatiblePayload`` naming the first field that differs. Payloads from another
 model are never used directly; they pass through an adapter first (``kvrelay.agents.receive``).
 """
 
 from __future__ import annotations
 
-from kvrelay.core.errors import IncompatiblePayload
+from kvrelay.core.errors import EngineMismatch, IncompatiblePayload
 from kvrelay.kv.payload import FORMAT, PayloadMeta
 from kvrelay.models.identity import ModelIdentity
 
@@ -27,6 +28,8 @@ def check_meta(m: PayloadMeta, ident: ModelIdentity, *, complete: bool = False) 
                                 ("sliding_window", ident.sliding_window, m.sliding_window)):
         if mine != theirs:
             raise IncompatiblePayload(field, mine, theirs)
+    if m.engine != ident.engine:
+        raise EngineMismatch(ident.engine, m.engine)
     if complete and not m.complete:
         raise IncompatiblePayload("layer_indices", tuple(range(ident.num_layers)), m.layer_indices,
                                   "a receiver needs every layer")

@@ -37,8 +37,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported payload dtype {dtype}; expected one of {sorted(DTYPES)}")
 
 
-STRING_FIELDS = ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format", "adapter")
-OPTIONAL_FIELDS = ("adapter",)  # fields a kvrelay/1 writer may omit (added after the format was first published)
+STRING_FIELDS = ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format", "adapter", "engine")
+OPTIONAL_FIELDS = ("adapter", "engine")  # fields a kvrelay/1 writer may omit (added after the format was first published)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,7 @@ class PayloadMeta:
     created_at: float = field(default_factory=time.time)
     format: str = FORMAT
     adapter: str = ""  # "" = made by model_fingerprint itself; else "NAME@FINGERPRINT" of the adapter that mapped it
+    engine: str = "fp32"  # the producer's engine mode (``models.engine``); absent on the wire = fp32
 
     def __post_init__(self):
         if len(self.layer_indices) != len(self.layer_types):
@@ -82,6 +83,7 @@ class PayloadMeta:
             layer_types=ident.layer_types,
             sliding_window=ident.sliding_window,
             rope=ident.rope,
+            engine=ident.engine,
             **kw,
         )
 

@@ -22,6 +22,8 @@ class Decoded:
     decode_s: float
     mask: torch.Tensor | None  # (B, cached + new) after decoding, or None when nothing was padded
     next_positions: torch.Tensor  # (B,) position the next token of each row would take
+    # per layer (keys, values) right after the prefill (B, H, T_l, D), when asked for (``keep_prefill``)
+    prefill_kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
 
 @torch.inference_mode()
@@ -41,47 +43,59 @@ def forward_all(model, input_ids, position_ids, cache, attention_mask) -> torch.
     return out.logits.float()
 
 
+@torch.inference_mode()
 def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next_positions: torch.Tensor,
                     mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
                     min_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``.
 
     Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
+    Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists).
     """
     B = first_logits.shape[0]
     done = torch.zeros(B, dtype=torch.bool)
     lengths = torch.zeros(B, dtype=torch.int64)
-    out = []
+    out = torch.full((B, max(max_new_tokens, 0)), pad_id, dtype=torch.int64)  # (B, N)
+    pad = torch.full((B,), pad_id, dtype=torch.int64)
     logits = first_logits
-    pos = next_positions.clone()
+    pos = next_positions.clone()[:, None]  # (B, 1)
     stops = torch.tensor(sorted(i for i in stop_ids if i < first_logits.shape[-1]), dtype=torch.int64)
+    cached = 0 if mask is None else mask.shape[1]
+    full_mask = None
+    if mask is not None:  # (B, cached + N): the slots decoding will add are real tokens
+        full_mask = torch.cat((mask, torch.ones(B, max(max_new_tokens - 1, 0), dtype=torch.bool)), dim=1)
+    n = 0
     for step in range(max_new_tokens):
         if step < min_new_tokens and len(stops):
             logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
-        tok = logits.argmax(dim=-1)  # (B,)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        out.append(tok)
-        is_stop = torch.tensor([int(t) in stop_ids for t in tok.tolist()])
+        tok = torch.where(done, pad, logits.argmax(dim=-1))  # (B,)
+        out[:, step] = tok
+        n = step + 1
+        is_stop = torch.isin(tok, stops) & ~done
         lengths += (~done & ~is_stop).long()
         done |= is_stop
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if step == max_new_tokens - 1 or bool(done.all()):
             break
-        if mask is not None:
-            mask = torch.cat((mask, torch.ones(B, 1, dtype=torch.bool)), dim=1)  # (B, cached + 1)
-        logits = forward_last(model, tok[:, None], pos[:, None], cache, mask)
+        step_mask = None if full_mask is None else full_mask[:, : cached + step + 1]  # (B, cached + step + 1)
+        logits = forward_last(model, tok[:, None], pos, cache, step_mask)
         pos = pos + 1
-    tokens = torch.stack(out, dim=1) if out else torch.zeros(B, 0, dtype=torch.int64)
-    return tokens, lengths, mask
+    mask = None if full_mask is None else full_mask[:, : cached + max(n - 1, 0)]
+    return out[:, :n], lengths, mask
 
 
 def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
-             min_new_tokens: int = 0) -> Decoded:
-    """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode."""
+             min_new_tokens: int = 0, keep_prefill: bool = False) -> Decoded:
+    """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode.
+
+    ``keep_prefill``: also return the cache's tensors as they were after the prefill (no copy: a
+    cache layer's update concatenates into new tensors and never writes into the old ones).
+    """
     t0 = time.perf_counter()
     logits = forward_last(model, input_ids, position_ids, cache, attention_mask)
+    kept = tuple((layer.keys, layer.values) for layer in cache.layers) if keep_prefill else None
     t1 = time.perf_counter()
     tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
                                             max_new_tokens, stop_ids, pad_id, min_new_tokens)
     t2 = time.perf_counter()
-    return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1)
+    return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1, kept)

@@ -41,6 +41,7 @@ class ModelIdentity:
     layer_types: tuple[str, ...]  # per layer: "full_attention" | "sliding_attention"
     sliding_window: int | None
     rope: tuple[RopeSpec, ...]  # one per distinct layer type
+    engine: str = "fp32"  # kernel mode (``models.engine``): caches of one mode are refused by another
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:

@@ -6,7 +6,11 @@ where sdpa is unsupported), its tokenizer, and its ``ModelIdentity``. The finger
 cheap and stable by hashing weight *files* (the pinned GGUF sha256 for zoo models, the
 safetensors files for local folders, cached by path + size + mtime) instead of tensors.
 
-Loads are cached in-process by ``(name_or_path, dtype)``: tests and benchmarks ask for the same
+``engine`` picks the kernel mode (``models.engine``: fp32 prefill everywhere, compact weights for
+one-token decode steps in bf16/fp16/int8/int4; ``auto`` = the fastest mode measured on this machine,
+``models.engine_auto``). The mode is part of the identity (``identity.engine``).
+
+Loads are cached in-process by ``(name_or_path, dtype, engine)``: tests and benchmarks ask for the same
 model many times. Treat a cached ``LoadedModel`` as read-only; ``clear_model_cache()`` drops it.
 """
 
@@ -17,13 +21,14 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
+from kvrelay.models.engine import apply_engine, mode
 from kvrelay.models.identity import ModelIdentity, model_identity
 from kvrelay.models.variants import (
     adapter_digest,
@@ -56,12 +61,17 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
+    @property
+    def engine(self) -> str:
+        return self.identity.engine
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, engine: str = "fp32") -> LoadedModel:
     """Load a zoo model (pulled on first use), a local folder or ``.gguf`` file, or a transformers id.
 
+    ``engine``: one of ``models.engine.ENGINES`` or ``"auto"`` (needs ``dtype=float32`` unless "fp32").
     Raises ``UnknownModel`` (listing the zoo) when nothing matches, ``ChecksumMismatch`` /
-    ``FetchError`` from a zoo pull, ``ValueError`` for an unsupported dtype.
+    ``FetchError`` from a zoo pull, ``ValueError`` for an unsupported dtype or engine.
     """
     if not isinstance(name_or_path, str | os.PathLike) or not str(name_or_path).strip():
         raise UnknownModel(f"expected a zoo name, folder or transformers id, got {name_or_path!r}; "
@@ -73,7 +83,14 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
         path = Path(key).expanduser()
         if path.exists():
             key = str(path.resolve())
-    return _load_cached(key, dtype)
+    if engine == "auto":
+        from kvrelay.models.engine_auto import pick_engine
+
+        engine = pick_engine(_load_cached(key, dtype, "fp32")) if dtype == torch.float32 else "fp32"
+    mode(engine)
+    if engine != "fp32" and dtype != torch.float32:
+        raise ValueError(f"engine {engine!r} runs on fp32 weights; got dtype {dtype}")
+    return _load_cached(key, dtype, engine)
 
 
 def clear_model_cache() -> None:
@@ -82,7 +99,29 @@ def clear_model_cache() -> None:
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _load_cached(key: str, dtype: torch.dtype) -> LoadedModel:
+def _load_cached(key: str, dtype: torch.dtype, engine: str) -> LoadedModel:
+    if engine != "fp32":
+        return with_engine(_load_cached(key, dtype, "fp32"), engine)
+    return _load_base(key, dtype)
+
+
+def with_engine(lm, engine: str):
+    """A loaded model (or ``TinyLM``) in engine mode ``engine``: a new model object, same fp32 parameters.
+
+    The parameters are shared with ``lm`` (no second fp32 copy); ``lm`` itself is left as it was.
+    """
+    import copy
+
+    if lm.identity.engine != "fp32":
+        raise ValueError(f"with_engine starts from an fp32 model, got engine {lm.identity.engine!r}")
+    if mode(engine).phase_uniform:
+        return lm
+    memo = {id(p): p for p in lm.model.parameters()}  # share parameters, copy modules and buffers
+    model = apply_engine(copy.deepcopy(lm.model, memo), engine)
+    return replace(lm, model=model, identity=replace(lm.identity, engine=engine))
+
+
+def _load_base(key: str, dtype: torch.dtype) -> LoadedModel:
     if key not in ZOO and not Path(key).exists() and (parts := split_name(key)) is not None:
         return _load_variant(*parts, dtype)
     if key in ZOO:
@@ -259,6 +298,7 @@ def model_facts(loaded: LoadedModel) -> dict:
         "num_parameters": sum(p.numel() for p in loaded.model.parameters()),
         "vocab_size": cfg.vocab_size,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "engine": loaded.identity.engine,
     }
 
 

@@ -90,6 +90,7 @@ class ModelSpec:
     name: str | None = None
     tiny_arch: str | None = None  # llama | qwen2 | gemma3
     seed: int = 0
+    engine: str = "fp32"  # kernel mode (kvrelay.models.engine); agents of one workflow share it
 
     def __post_init__(self):
         if (self.name is None) == (self.tiny_arch is None):
@@ -101,12 +102,13 @@ class ModelSpec:
 
     def load(self):
         if self.tiny_arch is not None:
+            from kvrelay.models.loader import with_engine
             from kvrelay.models.tiny import tiny_lm
 
-            return tiny_lm(self.tiny_arch, self.seed)
+            return with_engine(tiny_lm(self.tiny_arch, self.seed), self.engine)
         from kvrelay.models.loader import load_model
 
-        return load_model(self.name)
+        return load_model(self.name, engine=self.engine)
 
 
 # -- the actor -----------------------------------------------------------------------------------
