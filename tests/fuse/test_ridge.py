@@ -31,7 +31,7 @@ def pair():
 def fitted(pair):
     sharer, receiver = pair
     readings = [[2, 6, 8] + random_ids(40, 100 + i) for i in range(16)]  # a shared 3-token opening (anchor)
-    state = ridge.fit(sharer, receiver, readings, tuple(range(4)))
+    state = ridge.fit(sharer, receiver, readings, ridge.candidate_layers(4, 4))
     return ridge.to_artefact(state, ("receiver", receiver.identity), ("sharer", sharer.identity), TRAINING)
 
 
@@ -40,6 +40,7 @@ def test_ridge_recovers_an_exact_head_map(pair, fitted):
     config, tensors = fitted
     assert min(config.metrics["r2_k"] + config.metrics["r2_v"]) > 0.999
     assert config.alignment["anchor_ids"] == [2, 6, 8]
+    assert config.metrics["candidates"][1] == [0, 1, 2] and config.layer_map == (0, 1, 2, 3)  # learned: the exact map
     adapter = ridge.RidgeAdapter(config, tensors)
     ctx, new = [2, 6, 8] + random_ids(15, 7), random_ids(5, 8)
     usable = Agent(receiver, adapter=adapter).check(Agent(sharer).prefill(ctx))

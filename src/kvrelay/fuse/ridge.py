@@ -82,20 +82,25 @@ def _r2(w: torch.Tensor, m: _Moments) -> float:
     return 1.0 - sse / sst if sst > 0 else 0.0
 
 
-def _select(train: _Moments, held: _Moments, alphas) -> tuple[torch.Tensor, float, float]:
-    """(weights refitted on both splits, chosen alpha, held-out R² at that alpha)."""
-    scores = [(_r2(_solve(train, a), held), a) for a in alphas] if held.n else [(float("nan"), alphas[0])]
-    r2, alpha = max(scores, key=lambda s: (s[0] == s[0], s[0]))
+def _select(train: _Moments, held: _Moments | None, alphas) -> tuple[torch.Tensor, float, float]:
+    """(weights refitted on both splits, chosen alpha, held-out R² at that alpha; -inf with no held-out data)."""
+    if held is None or not held.n:
+        return _solve(train, alphas[0]).float(), alphas[0], float("-inf")
+    r2, alpha = max((_r2(_solve(train, a), held), a) for a in alphas)
     return _solve(train + held, alpha).float(), alpha, r2
 
 
 @dataclass
 class RidgeFit:
-    """Accumulates paired caches (sharer payload, receiver payload of the same text) layer by layer."""
+    """Accumulates paired caches (sharer payload, receiver payload of the same text) layer by layer.
 
-    layer_map: tuple[int, ...]
+    ``candidates[t]`` are the sharer layers tried for receiver layer ``t``; ``solve`` keeps the one
+    with the best held-out R² (a layer map learned by validation). K and V share one design matrix.
+    """
+
+    candidates: tuple[tuple[int, ...], ...]
     bridge: TokenBridge = field(default_factory=TokenBridge)
-    stats: dict = field(default_factory=dict)  # (layer, "k"|"v", split) -> _Moments
+    stats: dict = field(default_factory=dict)  # (layer, sharer layer, split) -> _Moments over [K | V] columns
     anchor_ids: list[int] | None = None
     anchor_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer (H, A, D) pre-RoPE
     texts: int = 0
@@ -104,30 +109,55 @@ class RidgeFit:
     def add(self, sharer: KVPayload, receiver: KVPayload, index: torch.Tensor, skip: int) -> None:
         """One text: ``receiver`` slot i reads sharer slot ``index[i]``; the first ``skip`` slots are anchors."""
         split = "held" if self.texts % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else "train"
-        for t, s in enumerate(self.layer_map):
-            x = sharer_features(sharer, s)[0, index][skip:]  # (N, F)
+        feats = {s: sharer_features(sharer, s)[0, index][skip:] for s in {s for c in self.candidates for s in c}}
+        for t, cands in enumerate(self.candidates):
             k, v = pre_rope_kv(receiver, t)
-            for kv, y in (("k", flat_heads(k)[0, skip:]), ("v", flat_heads(v)[0, skip:])):
-                key = (t, kv, split)
+            y = torch.cat((flat_heads(k)[0, skip:], flat_heads(v)[0, skip:]), -1)  # (N, 2·H_r·D_r)
+            for s in cands:
+                key = (t, s, split)
                 if key not in self.stats:
-                    self.stats[key] = _Moments.zeros(x.shape[1], y.shape[1])
-                self.stats[key].add(x, y)
+                    self.stats[key] = _Moments.zeros(feats[s].shape[1], y.shape[1])
+                self.stats[key].add(feats[s], y)
         self.texts += 1
         self.tokens += int(index.shape[0]) - skip
 
-    def solve(self, alphas=ALPHAS) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, metrics = {}, {"r2_k": [], "r2_v": [], "alpha_k": [], "alpha_v": []}
-        for t in range(len(self.layer_map)):
-            for kv in "kv":
-                f, o = self.stats[(t, kv, "train")].xty.shape
-                held = self.stats.get((t, kv, "held"), _Moments.zeros(f - 1, o))
-                w, alpha, r2 = _select(self.stats[(t, kv, "train")], held, alphas)
-                tensors[f"w_{kv}.{t}"] = w
-                metrics[f"r2_{kv}"].append(round(r2, 4))
-                metrics[f"alpha_{kv}"].append(alpha)
-        for t, (ak, av) in enumerate(self.anchor_kv):
-            tensors[f"anchor_k.{t}"], tensors[f"anchor_v.{t}"] = ak, av
-        return tensors, metrics
+    def solve(self, alphas=ALPHAS) -> tuple[tuple[int, ...], dict[str, torch.Tensor], dict]:
+        """(layer map, tensors, metrics): per receiver layer the best candidate, K and V alphas chosen apart."""
+        tensors, chosen = {}, []
+        metrics: dict[str, list] = {"r2_k": [], "r2_v": [], "alpha_k": [], "alpha_v": [], "candidates": []}
+        for t, cands in enumerate(self.candidates):
+            best = None
+            for s in cands:
+                train, held = self.stats[(t, s, "train")], self.stats.get((t, s, "held"))
+                o = train.xty.shape[1] // 2
+                parts = [_select(_columns(train, c), _columns(held, c) if held else None, alphas)
+                         for c in (slice(0, o), slice(o, 2 * o))]
+                score = (parts[0][2] + parts[1][2]) / 2
+                if best is None or score > best[0]:
+                    best = (score, s, parts)
+            _, s, ((wk, ak, rk), (wv, av, rv)) = best
+            chosen.append(s)
+            tensors[f"w_k.{t}"], tensors[f"w_v.{t}"] = wk, wv
+            for name, val in (("r2_k", round(rk, 4)), ("r2_v", round(rv, 4)), ("alpha_k", ak), ("alpha_v", av),
+                              ("candidates", list(cands))):
+                metrics[name].append(val)
+        for t, (ak_, av_) in enumerate(self.anchor_kv):
+            tensors[f"anchor_k.{t}"], tensors[f"anchor_v.{t}"] = ak_, av_
+        return tuple(chosen), tensors, metrics
+
+
+def _columns(m: _Moments, cols: slice) -> _Moments:
+    return _Moments(m.xtx, m.xty[:, cols], m.yy[cols], m.ys[cols], m.n)
+
+
+def candidate_layers(n_receiver: int, n_sharer: int, spread: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per receiver layer: the depth-proportional and last-aligned sharer layers, ± ``spread`` around the former."""
+    dp, la = align.depth_proportional(n_receiver, n_sharer), align.last_aligned(n_receiver, n_sharer)
+    out = []
+    for t in range(n_receiver):
+        near = range(max(dp[t] - spread, 0), min(dp[t] + spread, n_sharer - 1) + 1)
+        out.append(tuple(sorted({*near, la[t]})))
+    return tuple(out)
 
 
 def common_prefix(seqs: list[list[int]]) -> list[int]:
@@ -139,13 +169,13 @@ def common_prefix(seqs: list[list[int]]) -> list[int]:
     return out
 
 
-def fit(sharer_lm, receiver_lm, readings: list[list[int]], layer_map: tuple[int, ...], *,
+def fit(sharer_lm, receiver_lm, readings: list[list[int]], candidates: tuple[tuple[int, ...], ...], *,
         bridge: TokenBridge | None = None, progress: Iterable | None = None) -> RidgeFit:
     """Fit on sharer token sequences ``readings`` (each read by the sharer, and by the receiver via ``bridge``)."""
     bridge = bridge or TokenBridge()
     pairs = [(ids, *bridge.receiver_reading(ids)) for ids in readings]
     anchor = common_prefix([r for _, r, _ in pairs])[:8] if len(pairs) > 1 else []
-    state = RidgeFit(layer_map, bridge, anchor_ids=anchor)
+    state = RidgeFit(candidates, bridge, anchor_ids=anchor)
     for ids, r_ids, index in (progress(pairs) if progress else pairs):
         s_pay = read(sharer_lm.model, sharer_lm.identity, ids)
         r_pay = read(receiver_lm.model, receiver_lm.identity, r_ids)
@@ -216,13 +246,14 @@ class RidgeAdapter:
 
 
 def to_artefact(state: RidgeFit, receiver: tuple[str, ModelIdentity], sharer: tuple[str, ModelIdentity],
-                training: dict, alphas=ALPHAS, layer_rule: str = "") -> tuple[artefact.ArtefactConfig, dict]:
+                training: dict, alphas=ALPHAS,
+                layer_rule: str = "best held-out R² among candidate sharer layers") -> tuple[artefact.ArtefactConfig, dict]:
     """The artefact (config, tensors) of a finished fit; ``training`` records the data it saw."""
-    tensors, metrics = state.solve(alphas)
+    layer_map, tensors, metrics = state.solve(alphas)
     tokens = "same tokenizer" if state.bridge.same else "receiver tokens; last sharer token covering each span"
     config = artefact.ArtefactConfig(
         method="ridge", receiver=artefact.ModelRef.of(*receiver), sharer=artefact.ModelRef.of(*sharer),
-        layer_map=tuple(state.layer_map),
+        layer_map=layer_map,
         alignment={"layers": layer_rule, "tokens": tokens, "rope": "stripped from both models' keys; "
                    "re-applied at the receiver's positions with its rope", "heads": "all sharer heads -> each receiver head",
                    "anchor_ids": list(state.anchor_ids or [])},
