@@ -120,6 +120,7 @@ _mount(app, "kvrelay.cli.audit", "audit", "Causal audit of relayed caches: effec
 _mount(bench_app, "kvrelay.cli.pipeline", None)
 _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")
+_mount(bench_app, "kvrelay.cli.repair", None)
 
 
 def main() -> None:  # pragma: no cover - console entry

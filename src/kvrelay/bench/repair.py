@@ -1,0 +1,179 @@
+"""``bench repair``: quality against time-to-first-token over recompute budgets, for two approximate reuses.
+
+Cases (the receiver answers a question about a document another agent read):
+
+* ``variant`` — the sender is one fine-tuned variant of a base, the receiver another (continue
+  layout). Its payload is refused unless the receiver names a repair; ``raw`` accepts it unchanged
+  (an ``IdentityAdapter``), ``recompute:...`` repairs it (``fuse.repair``).
+* ``replace`` — same model; the receiver keeps its own role prefix and the payload is RoPE-moved
+  behind it (``Agent.respond(layout="replace", repair=...)``).
+
+Each method is compared, on the same tasks, with the receiver re-prefilling the document's tokens
+itself (``reprefill``, budget 1): accuracy (0–100, BCa CI), the paired difference repaired −
+re-prefill (BCa CI on per-task differences, ``audit.bootstrap``), agreement (share of tasks whose
+generated tokens equal re-prefill's) and median TTFT (cache build — repair included — plus prefill).
+``budget`` is the recomputed share of (relayed token × layer) forwards, averaged over tasks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from kvrelay.agents.agent import Agent
+from kvrelay.audit.bootstrap import bca_ci
+from kvrelay.audit.tasks.scoring import score
+from kvrelay.audit.tasks.task import Task
+from kvrelay.fuse.adapter import IdentityAdapter
+from kvrelay.fuse.repair import parse_repair, repair_adapter
+
+CASES = ("variant", "replace")
+RAW, REPREFILL = "raw", "reprefill"
+DEFAULT_METHODS = (RAW, "recompute:tokens=0.05", "recompute:tokens=0.12", "recompute:layers=0-3", REPREFILL)
+SENDER_ROLE = "You read documents for a team and keep every detail."
+RECEIVER_ROLE = "You answer questions about the document you were given, briefly."
+FIELDS = ("case", "method", "budget", "accuracy", "ci_low", "ci_high", "reprefill_accuracy", "delta_ci_low",
+          "delta_ci_high", "agreement", "ttft_s", "reprefill_ttft_s", "n")
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    task: str
+    method: str
+    score: float  # 0..1
+    tokens: tuple[int, ...]
+    ttft_s: float
+    budget: float
+    context_tokens: int
+
+
+def _budget(method: str, num_layers: int, relayed: int, profile=None, sender_fp: str = "",
+            receiver_fp: str = "") -> float:
+    if method == RAW:
+        return 0.0
+    if method == REPREFILL:
+        return 1.0
+    spec = parse_repair(method)
+    block = None
+    if spec.auto_layers is not None:
+        profile.require_pair(sender_fp, receiver_fp)
+        block = profile.block(spec.auto_layers)
+    return spec.plan(num_layers, block).budget(num_layers, relayed)
+
+
+def _receivers(case: str, sender_lm, receiver_lm, methods: Sequence[str], max_new_tokens: int, profile) -> dict:
+    """One receiving agent per method (its adapter fixed), all on ``receiver_lm``."""
+    out = {}
+    src = sender_lm.identity.fingerprint
+    for m in methods:
+        adapter = None
+        if case == "variant" and m == RAW:
+            adapter = IdentityAdapter(src, receiver_lm.identity.fingerprint)
+        elif case == "variant" and m != REPREFILL:
+            adapter = repair_adapter(receiver_lm, m, sources=(src,), profile=profile)
+        out[m] = Agent(receiver_lm, "receiver", RECEIVER_ROLE, max_new_tokens=max_new_tokens, adapter=adapter)
+    return out
+
+
+def run_case(case: str, sender_lm, receiver_lm, tasks: Sequence[Task], methods: Sequence[str] = DEFAULT_METHODS, *,
+             max_new_tokens: int = 12, profile=None, progress: bool = True) -> list[Trial]:
+    """Every method on every task; the document is read once per task by the sender."""
+    if case not in CASES:
+        raise ValueError(f"case must be one of {CASES}, got {case!r}")
+    if case == "replace" and sender_lm is not receiver_lm:
+        raise ValueError("the replace case relays within one model: pass the same model as sender and receiver")
+    if case == "variant" and sender_lm.identity.fingerprint == receiver_lm.identity.fingerprint:
+        raise ValueError("the variant case needs two different variants (their fingerprints are equal)")
+    methods = list(dict.fromkeys([*methods, REPREFILL]))
+    sender = Agent(sender_lm, "sender", SENDER_ROLE)
+    agents = _receivers(case, sender_lm, receiver_lm, methods, max_new_tokens, profile)
+    layout = "replace" if case == "replace" else "continue"
+    L = receiver_lm.identity.num_layers
+    trials = []
+    for task in tqdm(tasks, desc=f"bench repair {case}", disable=not progress):
+        payload = sender.read(task.context)
+        for m in methods:
+            agent = agents[m]
+            if m == REPREFILL:
+                r = agent.respond(task.prompt, payload.token_ids, layout=layout)
+            elif case == "replace":
+                r = agent.respond(task.prompt, payload, layout="replace", repair=None if m == RAW else m)
+            else:
+                r = agent.respond(task.prompt, payload)
+            b = _budget(m, L, payload.num_tokens, profile, sender_lm.identity.fingerprint,
+                        receiver_lm.identity.fingerprint)
+            trials.append(Trial(task.id, m, score(task, r.text), r.token_ids, r.ttft_s, b, payload.num_tokens))
+    return trials
+
+
+def _ci(values: np.ndarray) -> tuple[float, float]:
+    ci = bca_ci(values, seed=0)
+    return (ci.low, ci.high) if ci.low is not None else (float("nan"), float("nan"))
+
+
+def summarize(case: str, trials: Sequence[Trial]) -> list[dict]:
+    """One row per method (``FIELDS``): accuracies and the paired difference in points (0–100)."""
+    ref = {t.task: t for t in trials if t.method == REPREFILL}
+    rows = []
+    for m in dict.fromkeys(t.method for t in trials):
+        mine = [t for t in trials if t.method == m]
+        acc = np.array([100 * t.score for t in mine])
+        ref_acc = np.array([100 * ref[t.task].score for t in mine])
+        lo, hi = _ci(acc)
+        dlo, dhi = _ci(acc - ref_acc)
+        rows.append({"case": case, "method": m, "budget": round(float(np.mean([t.budget for t in mine])), 4),
+                     "accuracy": float(acc.mean()), "ci_low": lo, "ci_high": hi,
+                     "reprefill_accuracy": float(ref_acc.mean()), "delta": float((acc - ref_acc).mean()),
+                     "delta_ci_low": dlo, "delta_ci_high": dhi,
+                     "agreement": float(np.mean([t.tokens == ref[t.task].tokens for t in mine])),
+                     "ttft_s": statistics.median(t.ttft_s for t in mine),
+                     "reprefill_ttft_s": statistics.median(ref[t.task].ttft_s for t in mine),
+                     "context_tokens": statistics.mean(t.context_tokens for t in mine), "n": len(mine)})
+    return rows
+
+
+def target_met(rows: Sequence[dict], *, max_budget: float = 0.2, margin: float = 2.0, speedup: float = 3.0) -> dict:
+    """Per case: the repaired methods within ``max_budget`` whose paired CI lies inside ±``margin`` points
+    and whose TTFT is ``speedup``× below re-prefill's."""
+    out = {}
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ok = [r["method"] for r in rows if r["case"] == case and r["method"] not in (RAW, REPREFILL)
+              and r["budget"] <= max_budget and -margin <= r["delta_ci_low"] and r["delta_ci_high"] <= margin
+              and r["reprefill_ttft_s"] >= speedup * r["ttft_s"]]
+        out[case] = ok
+    return out
+
+
+def plot(rows: Sequence[dict], path) -> None:
+    """Accuracy and TTFT against budget, one line per case; re-prefill's accuracy dashed (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["budget"])
+        x = [r["budget"] for r in mine]
+        line = ax_acc.errorbar(x, [r["accuracy"] for r in mine],
+                               yerr=[[max(0.0, r["accuracy"] - r["ci_low"]) for r in mine],
+                                     [max(0.0, r["ci_high"] - r["accuracy"]) for r in mine]],
+                               marker="o", capsize=3, label=case)
+        ax_acc.axhline(mine[-1]["reprefill_accuracy"], ls="--", lw=0.8, color=line[0].get_color())
+        for r in mine:
+            ax_acc.annotate(r["method"].removeprefix("recompute:"), (r["budget"], r["accuracy"]), fontsize=7,
+                            xytext=(3, -10), textcoords="offset points")
+        ax_t.plot(x, [r["ttft_s"] for r in mine], marker="o", label=case)
+    ax_acc.set(xlabel="recomputed fraction (budget)", ylabel="accuracy (points, 95% CI)",
+               title="quality vs recompute budget")
+    ax_t.set(xlabel="recomputed fraction (budget)", ylabel="median TTFT (s)", title="time to first token")
+    for ax in (ax_acc, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

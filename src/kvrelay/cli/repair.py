@@ -1,0 +1,107 @@
+"""``kvrelay bench repair`` and ``kvrelay bench repair-profile`` (mounted under ``bench`` by the root CLI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Repair of approximate cache reuse by selective recompute.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+console = Console(width=None if Console().is_terminal else 160)
+
+
+def _split(s: str) -> list[str]:
+    return [x.strip() for x in s.split(";") if x.strip()]
+
+
+def _tasks(n: int, context_tokens: int, seed: int):
+    from kvrelay.audit.tasks.generated import generate
+
+    return generate(n, seed=seed, name="gen_repair", doc_tokens=context_tokens, n_distractors=0)
+
+
+def print_rows(rows: list[dict]) -> None:
+    t = Table(title="bench repair — accuracy and paired difference vs re-prefill (points), median TTFT")
+    for c in ("case", "method", "budget", "accuracy [95% CI]", "Δ vs re-prefill [95% CI]", "agree", "TTFT s",
+              "re-prefill TTFT s", "speedup", "n"):
+        t.add_column(c, justify="left" if c in ("case", "method") else "right")
+    for r in rows:
+        t.add_row(r["case"], r["method"], f"{r['budget']:.3f}",
+                  f"{r['accuracy']:.1f} [{r['ci_low']:.1f}, {r['ci_high']:.1f}]",
+                  f"{r['delta']:+.1f} [{r['delta_ci_low']:+.1f}, {r['delta_ci_high']:+.1f}]",
+                  f"{r['agreement']:.2f}", f"{r['ttft_s']:.2f}", f"{r['reprefill_ttft_s']:.2f}",
+                  f"{r['reprefill_ttft_s'] / r['ttft_s']:.1f}x", str(r["n"]))
+    console.print(t)
+
+
+@app.command("repair")
+def repair(
+    sender: str = typer.Option("qwen2.5-coder-0.5b+summarizer", help="variant case: the sending variant"),
+    receiver: str = typer.Option("qwen2.5-coder-0.5b+qa", help="variant case: the receiving variant"),
+    model: str = typer.Option("qwen2.5-coder-0.5b", help="replace case: the one model"),
+    cases: str = typer.Option("variant,replace", help="comma-separated: variant, replace"),
+    methods: str = typer.Option("raw;recompute:tokens=0.05;recompute:tokens=0.12;recompute:layers=0-3;reprefill",
+                                help="';'-separated: raw, reprefill, or a repair spec recompute:layers=A-B|auto:K,"
+                                     "tokens=F"),
+    n: int = typer.Option(20, min=2, help="tasks (generated records; the receiver answers a number)"),
+    context_tokens: int = typer.Option(2048, min=64, help="approximate document length"),
+    seed: int = typer.Option(0),
+    max_new_tokens: int = typer.Option(12, min=1),
+    profile: Path | None = typer.Option(None, help="deviation profile JSON (kvrelay bench repair-profile), "
+                                        "needed by layers=auto:K"),
+    threads: int | None = typer.Option(None, help="torch threads"),
+    json_path: Path | None = typer.Option(None, "--json", help="write rows as JSON (and a PNG plot next to it)"),
+):
+    """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
+    from kvrelay.bench.repair import plot, run_case, summarize, target_met
+    from kvrelay.cli.common import load_for_cli
+    from kvrelay.fuse.profile import load_profile
+
+    prof = load_profile(profile) if profile else None
+    tasks = _tasks(n, context_tokens, seed)
+    rows, meta = [], {}
+    for case in [c.strip() for c in cases.split(",") if c.strip()]:
+        if case == "variant":
+            s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
+            meta["variant"] = {"sender": sender, "receiver": receiver}
+        else:
+            s_lm = r_lm = load_for_cli(model, threads)
+            meta[case] = {"model": model}
+        rows += summarize(case, run_case(case, s_lm, r_lm, tasks, _split(methods), max_new_tokens=max_new_tokens,
+                                         profile=prof if case == "variant" else None))
+    print_rows(rows)
+    met = target_met(rows)
+    console.print(f"budget <= 0.2, paired CI within +-2 points, >= 3x lower TTFT: {met}")
+    if json_path:
+        out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair", "n": n, "context_tokens": context_tokens,
+                                                      "seed": seed}, "target_met": met}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        plot(rows, json_path.with_suffix(".png"))
+        console.print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+
+
+@app.command("repair-profile")
+def repair_profile(
+    sender: str = typer.Option("qwen2.5-coder-0.5b+summarizer"),
+    receiver: str = typer.Option("qwen2.5-coder-0.5b+qa"),
+    sequences: int = typer.Option(4, min=1, help="documents profiled"),
+    context_tokens: int = typer.Option(512, min=16),
+    out: Path = typer.Option(..., help="where the profile JSON goes"),
+    threads: int | None = typer.Option(None),
+):
+    """Per-layer K/V deviation of SENDER vs RECEIVER (the artefact layers=auto:K chooses its block from)."""
+    from kvrelay.agents.agent import Agent
+    from kvrelay.cli.common import load_for_cli
+    from kvrelay.fuse.profile import profile_pair
+
+    s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
+    reader = Agent(r_lm, "sender")
+    seqs = [reader.reading_ids(t.context) for t in _tasks(sequences, context_tokens, seed=1000)]
+    prof = profile_pair(s_lm, r_lm, seqs)
+    prof.save(out)
+    console.print({"deviation": [round(x, 4) for x in prof.deviation], "block(4)": prof.block(4), "wrote": str(out)})

@@ -1,0 +1,48 @@
+"""bench repair on tiny models: the frontier's two ends are what they claim, rows carry the contract's fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrelay.audit.tasks.generated import generate
+from kvrelay.bench.repair import FIELDS, plot, run_case, summarize, target_met
+from kvrelay.models.tiny import tiny_lm
+
+METHODS = ("raw", "recompute:tokens=0.3", "recompute:tokens=1", "recompute:layers=0-1", "reprefill")
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate(3, seed=0, doc_tokens=60, n_distractors=0, n_facts=2)
+
+
+@pytest.mark.parametrize("case", ["variant", "replace"])
+def test_rows_and_ends(case, tasks, tmp_path):
+    receiver = tiny_lm("qwen2", seed=0)
+    sender = tiny_lm("qwen2", seed=1) if case == "variant" else receiver
+    rows = summarize(case, run_case(case, sender, receiver, tasks, METHODS, max_new_tokens=4, progress=False))
+    by = {r["method"]: r for r in rows}
+    assert set(by) == set(METHODS)
+    for r in rows:
+        assert set(FIELDS) <= set(r) and r["n"] == len(tasks) and r["case"] == case
+        assert 0.0 <= r["budget"] <= 1.0 and 0.0 <= r["accuracy"] <= 100.0
+    assert by["raw"]["budget"] == 0.0 and by["reprefill"]["budget"] == 1.0
+    assert by["reprefill"]["agreement"] == 1.0 and by["reprefill"]["delta"] == 0.0
+    assert by["recompute:tokens=1"]["agreement"] == 1.0  # full recompute is the receiver's own prefill
+    assert by["recompute:layers=0-1"]["budget"] == pytest.approx(0.5)
+    assert 0.5 < by["recompute:tokens=0.3"]["budget"] < 1.0
+    path = tmp_path / "r.png"
+    plot(rows, path)
+    assert path.stat().st_size > 1000
+    json.dumps(rows)
+    assert set(target_met(rows)) == {case}
+
+
+def test_cases_refuse_the_wrong_pairing(tasks):
+    a, b = tiny_lm("qwen2", seed=0), tiny_lm("qwen2", seed=1)
+    with pytest.raises(ValueError, match="same model"):
+        run_case("replace", a, b, tasks, progress=False)
+    with pytest.raises(ValueError, match="different variants"):
+        run_case("variant", a, a, tasks, progress=False)
