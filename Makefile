@@ -6,7 +6,7 @@ MODEL ?= qwen2.5-coder-0.5b
 OUT ?= out/demo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-data lint setup clean bench-relay
+.PHONY: demo test test-data lint setup clean bench-relay peers bench-engine
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,27 @@ test-data: setup
 
 test: setup lint test-data
 	$(BIN)/python -m pytest -q -ra
+
+# llama.cpp, the peer of `kvrelay bench engine`: llama-cpp-python built from source with its vendored
+# llama.cpp (cmake; about 15 minutes on 2 cores), tuned for this CPU (GGML_NATIVE). The wheel is cached
+# beside the zoo's wheels, so a second `make peers` installs in seconds. `make test` does not need it.
+PEERS_VERSION := 0.3.36
+PEERS_WHEELS := $(HOME)/.cache/kvrelay/wheels/llama-cpp-python-$(PEERS_VERSION)
+PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+
+peers: setup
+	mkdir -p $(PEERS_WHEELS)
+	ls $(PEERS_WHEELS)/llama_cpp_python-$(PEERS_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 \
+		$(BIN)/pip wheel --no-deps --no-binary llama-cpp-python --no-cache-dir -w $(PEERS_WHEELS) \
+		llama-cpp-python==$(PEERS_VERSION)
+	$(BIN)/pip install -q --disable-pip-version-check $(PEERS_WHEELS)/llama_cpp_python-$(PEERS_VERSION)-*.whl
+	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# kvrelay next to llama.cpp on the zoo model's GGUF (needs `make peers`); the README's performance figures.
+bench-engine: setup
+	flock /tmp/kvrelay-bench.lock $(BIN)/kvrelay bench engine --model $(MODEL) --context-tokens 2048 \
+		--peer llama.cpp --json docs/bench/engine_$(MODEL)_2048.json
 
 bench-relay: setup
 	$(BIN)/kvrelay bench relay --model $(MODEL) --context-tokens 512,2048 --repeats 5 --json docs/bench/relay_$(MODEL).json

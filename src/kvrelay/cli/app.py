@@ -18,7 +18,7 @@ from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
 
 app = typer.Typer(help="Relay KV caches between LLM agents, audit when it pays, decide per request.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
-bench_app = typer.Typer(help="Measurements: relay, pipeline, transfer, policy.", no_args_is_help=True)
+bench_app = typer.Typer(help="Measurements: relay, pipeline, transfer, engine, policy.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 console = Console()
 
@@ -121,6 +121,7 @@ _mount(bench_app, "kvrelay.cli.pipeline", None)
 _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")
 _mount(bench_app, "kvrelay.cli.repair", None)
+_mount(bench_app, "kvrelay.cli.bench_engine", None)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -86,3 +86,7 @@ class PayloadNotFound(KVRelayError, KeyError):
 
 class UnknownStore(KVRelayError, ValueError):
     """A store URL is none of ``memory://[NAME]``, ``file:///ABS/DIR`` (or a directory path), ``redis://HOST:PORT/DB``."""
+
+
+class PeerUnavailable(KVRelayError):
+    """A peer engine a benchmark compares against (llama.cpp) is not installed or cannot run."""

@@ -1,0 +1,142 @@
+"""The ``bench engine`` report: raw measurements (``bench.engine``) -> rows, pipeline, targets.
+
+Pure functions over plain dicts, so a recorded run (the raw dict is kept in the JSON under
+``raw``) re-reports the same. Row fields (a contract): ``engine``, ``mode``,
+``prefill_tokens_per_s``, ``decode_tokens_per_s``, ``relay_ttft_s``, ``text_ttft_s``,
+``relay_bytes``, ``decode_fraction_of_limit``, ``prefill_fraction_of_limit``; pipeline fields:
+``engine``, ``handoff``, ``total_s``. All times are medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kvrelay.bench.limits import (
+    Geometry,
+    decode_fraction,
+    decode_limit_tokens_per_s,
+    prefill_flops,
+    prefill_fraction,
+)
+
+ROW_FIELDS = ("engine", "mode", "prefill_tokens_per_s", "decode_tokens_per_s", "relay_ttft_s", "text_ttft_s",
+              "relay_bytes", "decode_fraction_of_limit", "prefill_fraction_of_limit")
+PIPELINE_FIELDS = ("engine", "handoff", "total_s")
+TRIAL_FIELDS = ("text_ttft_s", "text_prefill_tokens", "relay_ttft_s", "decode_s", "decode_tokens")
+
+
+def _median(xs) -> float:
+    xs = list(xs)
+    if not xs:
+        raise ValueError("no measurements to take a median of")
+    return float(statistics.median(xs))
+
+
+def engine_row(raw: dict, limits: dict, geometry: Geometry) -> dict:
+    """One engine (mode) from its trials: medians, and the fractions of the machine's limits."""
+    trials = raw["trials"]
+    missing = sorted({f for t in trials for f in TRIAL_FIELDS if f not in t})
+    if not trials or missing:
+        raise ValueError(f"{raw.get('engine')}/{raw.get('mode')}: expected trials with {TRIAL_FIELDS}, "
+                         f"got {len(trials)} trial(s) missing {missing}")
+    steps = [t["decode_tokens"] - 1 for t in trials]  # the first token is the prefill's argmax
+    if min(steps) < 1:
+        raise ValueError(f"{raw['engine']}/{raw['mode']}: a trial decoded fewer than 2 tokens")
+    decode = _median(n / t["decode_s"] for n, t in zip(steps, trials, strict=True))
+    prefill = _median(t["text_prefill_tokens"] / t["text_ttft_s"] for t in trials)
+    text_s, relay_s = _median(t["text_ttft_s"] for t in trials), _median(t["relay_ttft_s"] for t in trials)
+    tokens = trials[0]["text_prefill_tokens"]
+    flops_per_token = prefill_flops(geometry, tokens) / tokens
+    row = {
+        "engine": raw["engine"], "mode": raw["mode"],
+        "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+        "relay_ttft_s": relay_s, "text_ttft_s": text_s, "relay_bytes": int(raw["relay_bytes"]),
+        "decode_fraction_of_limit": decode_fraction(decode, limits["mem_gbs"], raw["weight_bytes"]),
+        "prefill_fraction_of_limit": prefill_fraction(prefill, flops_per_token, limits["gemm_gflops"]),
+        # -- beyond the contract --------------------------------------------------------------------
+        "decode_s_per_token": 1.0 / decode,
+        "decode_limit_tokens_per_s": decode_limit_tokens_per_s(limits["mem_gbs"], raw["weight_bytes"]),
+        "weight_bytes_per_token": int(raw["weight_bytes"]),
+        "prefill_gflops": prefill * flops_per_token / 1e9,
+        "relay_speedup": text_s / relay_s,
+        "relay_identical": raw["check"]["relay_identical"],
+        "text_prefill_tokens": tokens,
+        "decode_tokens": min(t["decode_tokens"] for t in trials),
+    }
+    if "relay_ttft_c_api_s" in trials[0]:
+        row["relay_ttft_c_api_s"] = _median(t["relay_ttft_c_api_s"] for t in trials)
+    for extra in ("codec", "version", "tokenization_identical"):
+        if extra in raw:
+            row[extra] = raw[extra]
+    return row
+
+
+def pipeline_rows(raw: dict) -> list[dict]:
+    out = []
+    for handoff, runs in raw.get("pipeline", {}).items():
+        if not runs:
+            continue
+        out.append({"engine": raw["engine"], "mode": raw["mode"], "handoff": handoff,
+                    "total_s": _median(r["total_s"] for r in runs), "total_s_each": [r["total_s"] for r in runs],
+                    "agents": len(runs[0]["agents"]),
+                    "min_decode_tokens": min(a["decode_tokens"] for r in runs for a in r["agents"]),
+                    "relay_bytes": sum(a["relay_bytes"] for a in runs[0]["agents"])})
+    return out
+
+
+def _target(name: str, value: float, goal: float, better: str, detail: str) -> dict:
+    met = value >= goal if better == "higher" else value <= goal
+    return {"target": name, "value": value, "goal": goal, "better": better, "met": bool(met), "detail": detail}
+
+
+def targets(rows: list[dict], pipes: list[dict]) -> list[dict]:
+    """The goals of kvrelay's fastest-decoding mode against llama.cpp, each with its measured value."""
+    ours = [r for r in rows if r["engine"] == "kvrelay"]
+    peer = next((r for r in rows if r["engine"] == "llama.cpp"), None)
+    if not ours:
+        return []
+    best = max(ours, key=lambda r: r["decode_tokens_per_s"])
+    m = best["mode"]
+    out = [_target("decode at >= 0.7 of the bandwidth limit", best["decode_fraction_of_limit"], 0.7, "higher",
+                   f"kvrelay {m}: {best['decode_tokens_per_s']:.2f} tok/s of {best['decode_limit_tokens_per_s']:.2f}")]
+    if peer is None:
+        return out
+    out += [
+        _target("decode >= 1.0x llama.cpp tokens/s", best["decode_tokens_per_s"] / peer["decode_tokens_per_s"], 1.0,
+                "higher", f"{best['decode_tokens_per_s']:.2f} vs {peer['decode_tokens_per_s']:.2f} tok/s"),
+        _target("prefill ahead of llama.cpp", best["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"], 1.0,
+                "higher", f"{best['prefill_tokens_per_s']:.0f} vs {peer['prefill_tokens_per_s']:.0f} tok/s"),
+        _target("relay TTFT ahead of llama.cpp", peer["relay_ttft_s"] / best["relay_ttft_s"], 1.0, "higher",
+                f"{best['relay_ttft_s']:.3f} vs {peer['relay_ttft_s']:.3f} s"),
+        _target("relayed bytes <= llama.cpp's", best["relay_bytes"] / peer["relay_bytes"], 1.0, "lower",
+                f"{best['relay_bytes'] / 1e6:.1f} vs {peer['relay_bytes'] / 1e6:.1f} MB"),
+    ]
+    mine = next((p for p in pipes if p["engine"] == "kvrelay" and p["mode"] == m), None)
+    for handoff, goal in (("text", 2.0), ("state", 1.0)):
+        theirs = next((p for p in pipes if p["engine"] == "llama.cpp" and p["handoff"] == handoff), None)
+        if mine and theirs:
+            out.append(_target(f"5-agent pipeline >= {goal:g}x llama.cpp with {handoff} hand-offs",
+                               theirs["total_s"] / mine["total_s"], goal, "higher",
+                               f"{mine['total_s']:.1f} vs {theirs['total_s']:.1f} s"))
+    return out
+
+
+def report(raw: dict, *, model: str, command: str, extra: dict | None = None) -> dict:
+    """The ``bench engine`` JSON: machine, rows, pipeline, targets, and the raw measurements."""
+    g = Geometry(**raw["geometry"])
+    limits = raw["limits"]
+    rows = [engine_row(e, limits, g) for e in raw["engines"]]
+    pipes = [p for e in raw["engines"] for p in pipeline_rows(e)]
+    return {
+        "model": model, "command": command, "threads": raw["threads"], "repeats": raw["repeats"],
+        "load_average": {"load1_before_repeat": raw["load1_before_repeat"],
+                         "load1_before_pipeline": [r["load1_before"] for e in raw["engines"]
+                                                   for runs in e.get("pipeline", {}).values() for r in runs]},
+        "context_tokens": raw["context_tokens"], "question_tokens": raw["question_tokens"],
+        "new_tokens": raw["new_tokens"], "pipeline_tokens": raw["pipeline_tokens"],
+        "pipeline_workload": raw["pipeline_workload"], "codec": raw["codec"],
+        "machine": {"mem_gbs": limits["mem_gbs"], "gemm_gflops": limits["gemm_gflops"],
+                    **{k: limits[k] for k in ("read_gbs", "copy_gbs", "triad_gbs", "gemm", "array_bytes")},
+                    **(extra or {})},
+        "rows": rows, "pipeline": pipes, "targets": targets(rows, pipes), "raw": raw,
+    }

@@ -1,0 +1,132 @@
+"""``kvrelay bench engine`` (mounted under ``bench`` by the root CLI): kvrelay's engine modes next to llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="kvrelay's engine modes next to llama.cpp.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+console = Console(width=None if Console().is_terminal else 160)
+PEERS = ("llama.cpp", "none")
+
+
+@app.callback()
+def _group() -> None:
+    """Keep ``engine`` a named sub-command even while it is the only one."""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _load_modes(model: str, modes: list[str], threads: int | None) -> dict:
+    from kvrelay.cli.common import load_for_cli
+    from kvrelay.models.loader import load_model
+
+    base = load_for_cli(model, threads)
+    return {m: base if m == "fp32" else load_model(model, engine=m) for m in modes}
+
+
+def _gguf_for(model: str, gguf: Path | None) -> Path:
+    from kvrelay.models.zoo import ZOO, assemble
+
+    if gguf is not None:
+        return gguf
+    if model not in ZOO:
+        raise typer.BadParameter(f"--gguf is needed for a model outside the zoo ({model!r})")
+    return assemble(model)  # the verified GGUF the zoo converted kvrelay's weights from
+
+
+def print_report(res: dict) -> None:
+    t = Table(title=f"bench engine — {res['model']}, {res['context_tokens']} context tokens, {res['threads']} "
+                    f"threads (medians of {res['repeats']}; machine: {res['machine']['mem_gbs']:.1f} GB/s, "
+                    f"{res['machine']['gemm_gflops']:.0f} GFLOP/s fp32 GEMM)")
+    for col in ("engine", "mode", "prefill tok/s", "of GEMM peak", "decode tok/s", "of bandwidth limit",
+                "text TTFT s", "relay TTFT s", "relay MB", "relay = text"):
+        t.add_column(col, justify="left" if col in ("engine", "mode") else "right")
+    for r in res["rows"]:
+        t.add_row(r["engine"], r["mode"], f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_fraction_of_limit']:.2f}",
+                  f"{r['decode_tokens_per_s']:.2f}", f"{r['decode_fraction_of_limit']:.2f}",
+                  f"{r['text_ttft_s']:.2f}", f"{r['relay_ttft_s']:.3f}", f"{r['relay_bytes'] / 1e6:.1f}",
+                  "yes" if r["relay_identical"] else "no")
+    console.print(t)
+    if res["pipeline"]:
+        p = Table(title=f"{res['pipeline_workload']}: 5 agents, {res['pipeline_tokens']} tokens each, end to end")
+        for col in ("engine", "mode", "hand-off", "total s", "each run s"):
+            p.add_column(col, justify="left" if col in ("engine", "mode", "hand-off") else "right")
+        for r in res["pipeline"]:
+            p.add_row(r["engine"], r["mode"], r["handoff"], f"{r['total_s']:.1f}",
+                      " ".join(f"{x:.1f}" for x in r["total_s_each"]))
+        console.print(p)
+    if res["targets"]:
+        g = Table(title="targets (kvrelay's fastest-decoding mode)")
+        for col in ("target", "value", "goal", "met", "measured"):
+            g.add_column(col, justify="right" if col in ("value", "goal") else "left")
+        for x in res["targets"]:
+            g.add_row(x["target"], f"{x['value']:.2f}", f"{x['goal']:g}", "yes" if x["met"] else "[red]no[/red]",
+                      x["detail"])
+        console.print(g)
+
+
+@app.command("engine")
+def engine_cmd(
+    model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name (its GGUF is what llama.cpp reads)"),
+    context_tokens: int = typer.Option(2048, min=16, help="tokens of prose the sender reads"),
+    engines: str = typer.Option("fp32", help="comma-separated kvrelay engine modes to measure"),
+    peer: str = typer.Option("llama.cpp", help=f"the peer engine: {' | '.join(PEERS)} (llama.cpp: `make peers`)"),
+    gguf: Path | None = typer.Option(None, help="the GGUF for the peer (default: the zoo model's verified GGUF)"),
+    repeats: int = typer.Option(3, min=1, help="interleaved repeats; medians are reported"),
+    new_tokens: int = typer.Option(64, min=2, help="tokens the receiver writes after the relay (decode rate)"),
+    pipeline_tokens: int = typer.Option(64, min=1, help="tokens each pipeline agent writes"),
+    pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="also run the 5-agent pipeline"),
+    codec: str = typer.Option("fp16", help="kvrelay's payload codec on the wire (llama.cpp's state keeps f16 K/V)"),
+    threads: int | None = typer.Option(None, help="threads for both engines (default: one per core)"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
+):
+    """Prefill, decode, relay TTFT, relayed bytes and a 5-agent pipeline: kvrelay next to llama.cpp, same GGUF,
+    threads and text, with the machine's bandwidth and GEMM limits measured in the same run."""
+    from kvrelay.bench.engine import bench_engine
+    from kvrelay.bench.engine_report import report
+    from kvrelay.core.errors import KVRelayError
+
+    if peer not in PEERS:
+        raise typer.BadParameter(f"--peer must be one of {PEERS}, got {peer!r}")
+    modes = [m.strip() for m in engines.split(",") if m.strip()]
+    if not modes or len(set(modes)) != len(modes):
+        raise typer.BadParameter(f"--engines needs distinct mode names, got {engines!r}")
+    threads = threads or os.cpu_count() or 1
+    try:
+        lms = _load_modes(model, modes, threads)
+        gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
+        raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
+                           pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
+                           progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    except KVRelayError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(1) from None
+    import torch
+
+    command = "kvrelay " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    res = report(raw, model=model, command=command,
+                 extra={"cpu": _cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                        "torch": torch.__version__})
+    print_report(res)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(res, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
