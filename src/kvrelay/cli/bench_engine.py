@@ -36,10 +36,8 @@ def _cpu_model() -> str:
 
 def _load_modes(model: str, modes: list[str], threads: int | None) -> dict:
     from kvrelay.cli.common import load_for_cli
-    from kvrelay.models.loader import load_model
 
-    base = load_for_cli(model, threads)
-    return {m: base if m == "fp32" else load_model(model, engine=m) for m in modes}
+    return {m: load_for_cli(model, threads, engine=m) for m in modes}
 
 
 def _gguf_for(model: str, gguf: Path | None) -> Path:
@@ -87,7 +85,8 @@ def print_report(res: dict) -> None:
 def engine_cmd(
     model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name (its GGUF is what llama.cpp reads)"),
     context_tokens: int = typer.Option(2048, min=16, help="tokens of prose the sender reads"),
-    engines: str = typer.Option("fp32", help="comma-separated kvrelay engine modes to measure"),
+    engines: str = typer.Option("fp32,int8,int4", help="comma-separated kvrelay engine modes to measure "
+                                "(fp32 | bf16 | fp16 | int8 | int4 | auto)"),
     peer: str = typer.Option("llama.cpp", help=f"the peer engine: {' | '.join(PEERS)} (llama.cpp: `make peers`)"),
     gguf: Path | None = typer.Option(None, help="the GGUF for the peer (default: the zoo model's verified GGUF)"),
     repeats: int = typer.Option(3, min=1, help="interleaved repeats; medians are reported"),
