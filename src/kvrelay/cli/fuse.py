@@ -77,3 +77,92 @@ def train(
     """Train a gradient-fitted adapter (the fuser). Not available in this version."""
     raise typer.BadParameter(f"`fuse train --method {method}` is not implemented in this version: only the "
                              "closed-form ridge adapter exists (`kvrelay fuse fit`)")
+
+
+def _load_pair(receiver: str, sharer: str, threads: int | None, artefact_dir: Path | None):
+    from kvrelay.cli.common import load_for_cli
+    from kvrelay.fuse import artefact
+    from kvrelay.fuse.ridge import RidgeAdapter
+
+    s_lm, r_lm = load_for_cli(sharer, threads), load_for_cli(receiver, threads)
+    folder = artefact_dir or artefact.default_dir(receiver, sharer, "ridge")
+    return r_lm, s_lm, RidgeAdapter.load(folder, s_lm.tokenizer, r_lm.tokenizer)
+
+
+@app.command("eval")
+def eval_(
+    receiver: str = typer.Option("qwen2.5-coder-0.5b"),
+    sharer: str = typer.Option("qwen2.5-coder-1.5b"),
+    tasks: str = typer.Option("squad,gen", help="comma-separated task sets (private: squad, gen; shared: "
+                              "arc_challenge, openbookqa, mmlu)"),
+    limit: int = typer.Option(32, min=2, help="tasks per set"),
+    methods: str = typer.Option(",".join(("receiver", "sharer", "text", "text_full", "ridge")),
+                                help="comma-separated: receiver, sharer, text, text_full, ridge"),
+    max_new_tokens: int = typer.Option(16, min=1),
+    seed: int = typer.Option(0, help="task order seed"),
+    artefact_dir: Path | None = typer.Option(None, "--artefact", help="ridge artefact folder (default: committed)"),
+    json_path: Path | None = typer.Option(None, "--json"),
+    records: Path | None = typer.Option(None, help="also write every trial (JSON lines)"),
+    threads: int | None = typer.Option(None),
+):
+    """Accuracy (bootstrap CI), median TTFT and bytes per method; pairing (matched − mismatched) for ridge."""
+    import json
+
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from kvrelay.audit.tasks.datasets import load_tasks
+    from kvrelay.bench.fuse_eval import run_tasks, summarize, trial_rows
+    from kvrelay.cli.app import write_json
+
+    r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
+    chosen = [t for name in tasks.split(",") for t in load_tasks(name.strip(), limit, seed)]
+    trials = run_tasks(r_lm, s_lm, adapter, chosen, tuple(m.strip() for m in methods.split(",")),
+                       max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"))
+    out = summarize(trials, receiver, sharer)
+    out["command"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
+                      "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}
+    table = Table("regime", "method", "accuracy", "95% CI", "TTFT s", "bytes", "n", title=f"{receiver} <- {sharer}")
+    for p in out["pairs"]:
+        ci = f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}]" if p["ci_low"] is not None else "-"
+        table.add_row(p["regime"], p["method"], f"{p['accuracy']:.3f}", ci, f"{p['ttft_s']:.2f}", str(p["bytes"]), str(p["n"]))
+    console.print(table)
+    for p in out["pairing"]:
+        console.print(f"pairing {p['regime']} {p['method']}: {p['estimate']:+.3f} [{p['ci_low']}, {p['ci_high']}]")
+    if records:
+        records.parent.mkdir(parents=True, exist_ok=True)
+        records.write_text("".join(json.dumps(r) + "\n" for r in trial_rows(trials)))
+    write_json(json_path, out)
+
+
+@app.command()
+def ttft(
+    receiver: str = typer.Option("qwen2.5-coder-0.5b"),
+    sharer: str = typer.Option("qwen2.5-coder-1.5b"),
+    tokens: int = typer.Option(2048, min=64, help="context length in tokens (a generated record)"),
+    repeats: int = typer.Option(3, min=1),
+    artefact_dir: Path | None = typer.Option(None, "--artefact"),
+    json_path: Path | None = typer.Option(None, "--json"),
+    threads: int | None = typer.Option(None),
+):
+    """Time to first token at a long context: receiver re-prefilling the text vs reading the ridge-mapped cache.
+
+    The sharer's payload is built with the sharer's real tokens and geometry but random K/V (the
+    adapter's cost does not depend on the values), so the sharer's own long prefill is not needed.
+    """
+    import statistics
+
+    from kvrelay.bench.fuse_eval import synthetic_payload, time_ttft
+    from kvrelay.cli.app import write_json
+
+    r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
+    text, payload = synthetic_payload(s_lm, tokens)
+    prompt = "Question: What is the access code for the red vault?\nAnswer with the number only."
+    text_s, mapped_s = time_ttft(r_lm, adapter, text, payload, prompt, repeats)
+    out = {"receiver": receiver, "sharer": sharer, "context_tokens": payload.num_tokens, "repeats": repeats,
+           "text_full_ttft_s": statistics.median(text_s), "ridge_ttft_s": statistics.median(mapped_s),
+           "speedup": statistics.median(text_s) / statistics.median(mapped_s), "text_full_all": text_s,
+           "ridge_all": mapped_s, "bytes": payload.nbytes}
+    console.print(f"{payload.num_tokens} context tokens: re-prefill {out['text_full_ttft_s']:.2f}s, ridge "
+                  f"{out['ridge_ttft_s']:.2f}s -> {out['speedup']:.1f}x")
+    write_json(json_path, out)

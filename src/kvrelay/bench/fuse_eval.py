@@ -1,0 +1,145 @@
+"""Cross-model relay, evaluated per task against the text baselines, with a mismatched-cache control.
+
+For each task the sharer reads the task's context once (``Agent.read``, no role) into a payload.
+Methods (what the receiver answers from):
+
+==============  ================================================================================
+``receiver``    its prompt only
+``sharer``      the sharer answers itself, continuing its own reading
+``text``        the sharer's answer as a message the receiver reads (timed: sharer decode included)
+``text_full``   the receiver re-reads the context as text (translate's upper bound)
+``ridge``       the sharer's payload through the ridge adapter (``fuse.ridge``)
+==============  ================================================================================
+
+Regimes follow the task: ``private`` (SQuAD, generated records — only the context holds the
+answer: *translate*) and ``shared`` (ARC, OpenBookQA, MMLU — the receiver's prompt holds the whole
+problem too: *fuse*, the mapped cache is extra). The pairing control for ``ridge`` gives the
+receiver the adapted payload of *another* task (the next one in order); pairing = matched −
+mismatched accuracy, with a paired bootstrap CI over tasks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvrelay.agents.agent import Agent
+from kvrelay.audit.bootstrap import bca_ci
+from kvrelay.audit.tasks.scoring import score
+from kvrelay.audit.tasks.task import Task
+
+METHODS = ("receiver", "sharer", "text", "text_full", "ridge")
+MESSAGE = "Another assistant read the material and answered: {msg}"
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    task_id: str
+    task: str
+    regime: str
+    method: str
+    generation: str
+    score: float
+    ttft_s: float
+    bytes: int
+    mismatched: bool = False
+
+
+def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched: bool = False) -> Trial:
+    return Trial(t.id, t.task, t.regime, method, gen, float(score(t, gen)), ttft, nbytes, mismatched)
+
+
+def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: Sequence[str] = METHODS, *,
+              max_new_tokens: int = 16, progress: Callable | None = None) -> list[Trial]:
+    """Every method on every task (and ``ridge`` on the next task's payload); one greedy answer each."""
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; available: {', '.join(METHODS)}")
+    sharer = Agent(sharer_lm, "sharer", max_new_tokens=max_new_tokens)
+    plain = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens)
+    mapped = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=adapter)
+    payloads, read_s, trials = [], [], []
+    for t in (progress(tasks, "sharer reads") if progress else tasks):
+        t0 = time.perf_counter()
+        payloads.append(sharer.read(t.context))
+        read_s.append(time.perf_counter() - t0)
+    for i, t in enumerate(progress(tasks, "answers") if progress else tasks):
+        p, other = payloads[i], payloads[(i + 1) % len(tasks)]
+        msg = None
+        if "receiver" in methods:
+            r = plain.respond(t.prompt)
+            trials.append(_trial(t, "receiver", r.text, r.ttft_s, 0))
+        if {"sharer", "text"} & set(methods):
+            s = sharer.respond(t.prompt, p)
+            msg = s.text
+            trials.append(_trial(t, "sharer", s.text, read_s[i] + s.ttft_s, 0))
+            if "text" in methods:
+                r = plain.respond(t.prompt, MESSAGE.format(msg=msg.strip() or "(nothing)"))
+                trials.append(_trial(t, "text", r.text, read_s[i] + s.ttft_s + s.decode_s + r.ttft_s, len(msg.encode())))
+        if "text_full" in methods:
+            r = plain.respond(t.prompt, t.context)
+            trials.append(_trial(t, "text_full", r.text, r.ttft_s, len(t.context.encode())))
+        if "ridge" in methods:
+            for payload, mm in ((p, False), (other, True)):
+                r = mapped.respond(t.prompt, payload)
+                trials.append(_trial(t, "ridge", r.text, r.ttft_s, payload.nbytes, mm))
+    return trials
+
+
+def summarize(trials: Sequence[Trial], receiver: str, sharer: str, n_boot: int = 2000) -> dict:
+    """The ``kvrelay fuse eval`` JSON: accuracy with CIs per (regime, method), pairing per regime for ridge."""
+    pairs, pairing = [], []
+    keys = sorted({(t.regime, t.method) for t in trials})
+    for regime, method in keys:
+        rows = [t for t in trials if t.regime == regime and t.method == method and not t.mismatched]
+        ci = bca_ci(np.array([t.score for t in rows]), n_boot=n_boot)
+        pairs.append({"receiver": receiver, "sharer": sharer, "regime": regime, "method": method,
+                      "accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high,
+                      "ttft_s": statistics.median(t.ttft_s for t in rows), "bytes": int(statistics.median(t.bytes for t in rows)),
+                      "n": len(rows)})
+        mm = {t.task_id: t.score for t in trials if t.regime == regime and t.method == method and t.mismatched}
+        if mm:
+            diff = np.array([t.score - mm[t.task_id] for t in rows if t.task_id in mm])
+            d = bca_ci(diff, n_boot=n_boot)
+            pairing.append({"receiver": receiver, "sharer": sharer, "regime": regime, "method": method,
+                            "estimate": d.estimate, "ci_low": d.low, "ci_high": d.high})
+    return {"pairs": pairs, "pairing": pairing}
+
+
+def trial_rows(trials: Sequence[Trial]) -> list[dict]:
+    return [asdict(t) for t in trials]
+
+
+def synthetic_payload(sharer_lm, tokens: int):
+    """(context text of about ``tokens`` sharer tokens, a sharer payload of its reading with random K/V)."""
+    import torch
+
+    from kvrelay.audit.tasks.generated import generate
+    from kvrelay.kv.payload import KVPayload
+
+    text = generate(1, seed=424242, doc_tokens=tokens)[0].context
+    reader = Agent(sharer_lm, "sharer")
+    ids = reader.reading_ids(text)[:tokens]
+    ident, g = sharer_lm.identity, torch.Generator().manual_seed(0)
+    shape = (1, ident.num_kv_heads, len(ids), ident.head_dim)
+    keys = tuple(torch.randn(shape, generator=g) for _ in range(ident.num_layers))
+    values = tuple(torch.randn(shape, generator=g) for _ in range(ident.num_layers))
+    ids_t = torch.tensor([ids], dtype=torch.int64)
+    payload = KVPayload(keys, values, ids_t, torch.arange(len(ids))[None], torch.ones_like(ids_t, dtype=torch.bool),
+                        reader.meta())
+    return sharer_lm.tokenizer.decode(ids, skip_special_tokens=True), payload
+
+
+def time_ttft(receiver_lm, adapter, text: str, payload, prompt: str, repeats: int) -> tuple[list[float], list[float]]:
+    """TTFT of the receiver re-reading ``text`` and of it reading ``payload`` through ``adapter``, alternated."""
+    plain = Agent(receiver_lm, "receiver", max_new_tokens=1)
+    mapped = Agent(receiver_lm, "receiver", max_new_tokens=1, adapter=adapter)
+    text_s, mapped_s = [], []
+    for _ in range(repeats):
+        text_s.append(plain.respond(prompt, text, max_new_tokens=1).ttft_s)
+        mapped_s.append(mapped.respond(prompt, payload, max_new_tokens=1).ttft_s)
+    return text_s, mapped_s

@@ -1,0 +1,52 @@
+"""fuse eval on tiny models: every method runs, the JSON has its contract, the ridge arm on an exact map
+answers like the receiver re-reading the text, and the mismatched control is paired by task."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.audit.tasks.task import Task
+from kvrelay.bench.fuse_eval import METHODS, run_tasks, summarize
+from kvrelay.fuse import ridge
+from kvrelay.fuse.adapter import mha_from_gqa
+from kvrelay.models.identity import model_identity
+from kvrelay.models.tiny import WORDS, TinyLM, tiny_lm
+from tests.conftest import random_ids
+
+
+@pytest.fixture(scope="module")
+def setup():
+    gqa = tiny_lm("llama")
+    mha = mha_from_gqa(gqa.model)
+    receiver = TinyLM("tiny-mha", mha, gqa.tokenizer, model_identity(mha, gqa.tokenizer))
+    opening = gqa.tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    readings = [opening + random_ids(40, 300 + i) for i in range(16)]
+    state = ridge.fit(gqa, receiver, readings, ridge.candidate_layers(4, 4))
+    config, tensors = ridge.to_artefact(state, ("r", receiver.identity), ("s", gqa.identity), {"datasets": ["ids"]})
+    tasks = [Task(id=f"t/{i}", task="t", regime="private", context=" ".join(WORDS[i: i + 12]),
+                  prompt="what is the code", answers=(WORDS[i + 3],), scorer="qa_success") for i in range(4)]
+    return receiver, gqa, ridge.RidgeAdapter(config, tensors), tasks
+
+
+def test_every_method_runs_and_the_json_has_its_contract(setup):
+    receiver, sharer, adapter, tasks = setup
+    trials = run_tasks(receiver, sharer, adapter, tasks, METHODS, max_new_tokens=3)
+    assert {t.method for t in trials} == set(METHODS)
+    assert sum(t.mismatched for t in trials) == len(tasks)
+    out = summarize(trials, "r", "s", n_boot=200)
+    assert {p["method"] for p in out["pairs"]} == set(METHODS)
+    for p in out["pairs"]:
+        assert set(p) == {"receiver", "sharer", "regime", "method", "accuracy", "ci_low", "ci_high", "ttft_s", "bytes", "n"}
+        assert p["n"] == len(tasks) and 0 <= p["accuracy"] <= 1
+    (pairing,) = out["pairing"]
+    assert pairing["method"] == "ridge" and set(pairing) == {"receiver", "sharer", "regime", "method", "estimate",
+                                                            "ci_low", "ci_high"}
+    by = {(t.task_id, t.method, t.mismatched): t.generation for t in trials}
+    # an exact map: the mapped cache answers as the receiver does after reading the text itself
+    assert all(by[(t.id, "ridge", False)] == by[(t.id, "text_full", False)] for t in tasks)
+
+
+def test_unknown_method_is_refused(setup):
+    receiver, sharer, adapter, tasks = setup
+    with pytest.raises(ValueError, match="unknown methods"):
+        run_tasks(receiver, sharer, adapter, tasks, ("telepathy",))
