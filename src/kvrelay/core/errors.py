@@ -90,3 +90,7 @@ class UnknownStore(KVRelayError, ValueError):
 
 class PeerUnavailable(KVRelayError):
     """A peer engine a benchmark compares against (llama.cpp) is not installed or cannot run."""
+
+
+class WorkerError(KVRelayError):
+    """An agent's worker process failed (it died, or a request to it raised); the message says which and why."""

@@ -1,5 +1,5 @@
-"""Load a causal LM by zoo name, local folder, GGUF file, transformers id, or ``BASE+ADAPTER`` variant
-(docs/models.md, ``models.variants``).
+"""Load a causal LM by zoo name, local folder, GGUF file, transformers id, ``BASE+ADAPTER`` variant
+(docs/models.md, ``models.variants``) or ``tiny:ARCH[:SEED]`` (``models.tiny``).
 
 Every route ends in the same ``LoadedModel``: an eval-mode model (``sdpa`` attention, eager
 where sdpa is unsupported), its tokenizer, and its ``ModelIdentity``. The fingerprint is made
@@ -30,6 +30,7 @@ from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
 from kvrelay.models.engine import apply_engine, mode
 from kvrelay.models.identity import ModelIdentity, model_identity
+from kvrelay.models.tiny import parse_tiny, tiny_lm
 from kvrelay.models.variants import (
     adapter_digest,
     adapter_dir,
@@ -67,7 +68,8 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, engine: str = "fp32") -> LoadedModel:
-    """Load a zoo model (pulled on first use), a local folder or ``.gguf`` file, or a transformers id.
+    """Load a zoo model (pulled on first use), a local folder or ``.gguf`` file, a transformers id, or a
+    random tiny model ``tiny:ARCH[:SEED]`` (ARCH llama, qwen2 or gemma3; ``models.tiny``).
 
     ``engine``: one of ``models.engine.ENGINES`` or ``"auto"`` (needs ``dtype=float32`` unless "fp32").
     Raises ``UnknownModel`` (listing the zoo) when nothing matches, ``ChecksumMismatch`` /
@@ -124,6 +126,8 @@ def with_engine(lm, engine: str):
 def _load_base(key: str, dtype: torch.dtype) -> LoadedModel:
     if key not in ZOO and not Path(key).exists() and (parts := split_name(key)) is not None:
         return _load_variant(*parts, dtype)
+    if (tiny := parse_tiny(key)) is not None:  # a random tiny model (models.tiny), rebuilt from (arch, seed)
+        return tiny_lm(*tiny, dtype=dtype, name=key)
     if key in ZOO:
         return _load_zoo(key, dtype)
     path = Path(key)

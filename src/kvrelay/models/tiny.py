@@ -1,4 +1,8 @@
-"""Tiny random-initialised llama / qwen2 / gemma3 models: the first smoke test, no download.
+"""Tiny random-initialised llama / qwen2 / gemma3 models, no download: ``load_model("tiny:qwen2")``.
+
+``tiny:ARCH`` or ``tiny:ARCH:SEED`` (``models.loader``) builds the same weights from ``(arch, seed)``
+in any process, so separate worker processes (``workflows.process_executor``), Ray actors and the
+CLI (``kvrelay read --model tiny:llama``) can share a model without downloading one.
 
 Each has the geometry features of its family that relay must get right: GQA (fewer KV heads
 than query heads), qwen2's attention biases, gemma3's sliding-window layers with their own rope
@@ -68,7 +72,24 @@ def tiny_config(arch: str, vocab_size: int = 128):
     raise ValueError(f"unknown tiny arch {arch!r}; expected llama, qwen2 or gemma3")
 
 
-def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyLM:
+ARCHS = ("llama", "qwen2", "gemma3")
+
+
+def parse_tiny(name: str) -> tuple[str, int] | None:
+    """``"tiny:ARCH[:SEED]"`` -> ``(arch, seed)``; None for other names; ``UnknownModel`` if malformed."""
+    from kvrelay.core.errors import UnknownModel
+
+    if not name.startswith("tiny:"):
+        return None
+    arch, _, seed = name.removeprefix("tiny:").partition(":")
+    if arch not in ARCHS or (seed and not seed.isdigit()):
+        raise UnknownModel(f"{name!r}: a tiny model is tiny:ARCH or tiny:ARCH:SEED with ARCH one of "
+                           f"{', '.join(ARCHS)} and SEED a non-negative integer")
+    return arch, int(seed or 0)
+
+
+def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, name: str | None = None) -> TinyLM:
+    """A random ``arch`` model whose weights depend only on ``seed`` (same in every process)."""
     from transformers import AutoModelForCausalLM
 
     tok = tiny_tokenizer()
@@ -76,4 +97,4 @@ def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Tin
     cfg = tiny_config(arch, vocab_size=max(128, len(tok)))
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    return TinyLM(f"tiny-{arch}", model, tok, model_identity(model, tok))
+    return TinyLM(name or f"tiny-{arch}", model, tok, model_identity(model, tok))

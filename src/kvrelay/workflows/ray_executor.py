@@ -1,9 +1,9 @@
 """Agents as Ray actors; payloads through the Ray object store without extra copies.
 
-One actor per agent, one model per actor: the actor loads its model itself, by zoo name (or a
-local folder / transformers id) or — for tests — from a tiny-model spec ``(arch, seed)`` that
-rebuilds the exact same random model in any process (``kvrelay.models.tiny.tiny_lm``). The
-driver only orchestrates: tokens, prompts and object references travel through it, caches never do.
+One actor per agent, one model per actor: the actor loads its model itself, by any name
+``load_model`` takes (a zoo name, a local folder, a transformers id, or ``tiny:ARCH:SEED``, which
+rebuilds the same random model in any process). The driver only orchestrates: tokens, prompts and
+object references travel through it, caches never do. Each actor's turn is ``workflows.turn.take_turn``.
 
 A payload crosses the object store as a plain dict (``payload_to_numpy``)::
 
@@ -16,15 +16,16 @@ sender's ``ray.put`` is the one copy (into shared memory, plasma); the receiver'
 maps those pages and ``payload_from_numpy`` wraps them with ``torch.from_numpy`` — zero-copy,
 read-only views. Nothing writes to them: ``to_cache`` clones when it builds the model's cache.
 
-``RayWorkflowRunner`` runs a ``kvrelay.workflows`` workflow with these actors and returns the
-same ``RunTrace`` as ``workflows.run.run_workflow``; on the same model the greedy outputs are
-the same tokens (tested on a 3-agent chain). See ``docs/ray.md`` for a multi-node cluster.
+``RayExecutor`` is the runner's executor (``run_workflow(RayExecutor(...), wf, context)``);
+``RayWorkflowRunner`` keeps one started for repeated runs. On the same model the greedy outputs
+are the same tokens as in process (tested on a 3-agent chain). See ``docs/ray.md`` for a cluster.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +33,9 @@ import numpy as np
 import torch
 
 from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta
-from kvrelay.workflows.run import (
-    MODES,
-    AgentRecord,
-    Finished,
-    RunTrace,
-    needs_payload,
-    release_unused,
-    resolve_inputs,
-)
+from kvrelay.workflows.run import RunTrace, run_workflow
 from kvrelay.workflows.spec import Workflow
+from kvrelay.workflows.turn import TurnOut, take_turn
 
 _NOT_WRITABLE = "The given NumPy array is not writable"
 
@@ -85,27 +79,16 @@ def payload_from_numpy(d: dict[str, Any]) -> KVPayload:
 # -- which model an actor loads ------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A model an actor can load by itself: a zoo name / folder / transformers id, or a tiny random model."""
+    """A model an actor loads by itself: any ``load_model`` name (``ModelSpec.tiny``: a tiny random model)."""
 
-    name: str | None = None
-    tiny_arch: str | None = None  # llama | qwen2 | gemma3
-    seed: int = 0
+    name: str
     engine: str = "fp32"  # kernel mode (kvrelay.models.engine); agents of one workflow share it
-
-    def __post_init__(self):
-        if (self.name is None) == (self.tiny_arch is None):
-            raise ValueError("give exactly one of name (zoo name, folder, transformers id) or tiny_arch")
 
     @classmethod
     def tiny(cls, arch: str, seed: int = 0) -> ModelSpec:
-        return cls(tiny_arch=arch, seed=seed)
+        return cls(f"tiny:{arch}:{seed}")
 
     def load(self):
-        if self.tiny_arch is not None:
-            from kvrelay.models.loader import with_engine
-            from kvrelay.models.tiny import tiny_lm
-
-            return with_engine(tiny_lm(self.tiny_arch, self.seed), self.engine)
         from kvrelay.models.loader import load_model
 
         return load_model(self.name, engine=self.engine)
@@ -132,44 +115,27 @@ class AgentActor:
         return self.lm.identity.fingerprint
 
     def context_ids(self, context: str) -> list[int]:
-        """The shared context as a root reads it (one user turn), as in ``run_workflow``."""
+        """The shared context as a root reads it (one user turn)."""
         return self.agent.encode(self.agent.fmt.user(context))
 
-    def respond(self, prompt: str, base: list[int], cache_box: list | None, *, layout: str, max_new_tokens: int,
-                min_new_tokens: int, want_payload: bool) -> dict:
+    def turn(self, prompt: str, base: list[int], cache_box: list | None, *, layout: str, max_new_tokens: int,
+             min_new_tokens: int, want_payload: bool) -> TurnOut:
         """One turn. ``cache_box`` is ``[ObjectRef]`` of a relayed payload (boxed so that the get is timed
-        here) or None (text channel: ``base`` is re-encoded). Returns the turn's record fields and,
-        when asked for, ``[ObjectRef]`` of this agent's whole-turn payload."""
+        here) or None (text channel: ``base`` is re-encoded). The returned handle is ``[ObjectRef]``."""
         import ray
 
-        from kvrelay.workflows.run import turn_ids
-
-        agent = self.agent
         get_s, cache = 0.0, None
         if cache_box:
             t0 = time.perf_counter()
             cache = payload_from_numpy(ray.get(cache_box[0]))  # zero-copy views of the object store
             get_s = time.perf_counter() - t0
-        arg = cache if cache is not None else torch.tensor(base, dtype=torch.int64)
-        t1 = time.perf_counter()
-        r = agent.respond(prompt, arg, layout=layout, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                          return_payload=want_payload)
-        t2 = time.perf_counter()
-        ids = turn_ids(agent, prompt, base, layout, r.token_ids)
-        if r.payload is not None and r.payload.token_ids[0].tolist() != ids:
-            raise RuntimeError(f"{self.name}: payload tokens differ from the turn's token sequence")
-        out_box, put_s = None, 0.0
-        if r.payload is not None:
-            t3 = time.perf_counter()
-            out_box = [ray.put(payload_to_numpy(r.payload))]  # the one copy: into shared memory
-            put_s = time.perf_counter() - t3
-        prefix = len(agent.encode(agent.fmt.system(agent.role))) if (cache is not None and layout == "replace") else 0
-        encode_s = (t2 - t1 - r.cache_build_s - r.prefill_s - r.decode_s) if r.payload is not None else 0.0
-        return {"text": r.text, "token_ids": tuple(r.token_ids), "ids": ids, "payload": out_box,
-                "input_tokens": r.prefill_tokens + r.relayed_tokens + prefix, "prefill_tokens": r.prefill_tokens + prefix,
-                "relayed_tokens": r.relayed_tokens, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
-                "relay_bytes": cache.nbytes if cache is not None else 0, "relay_encode_s": max(encode_s, 0.0),
-                "put_s": put_s, "get_s": get_s, "relay_decode_s": r.cache_build_s if cache is not None else 0.0}
+        out = take_turn(self.agent, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
+                        min_new_tokens=min_new_tokens, want_payload=want_payload, get_s=get_s)
+        if out.payload is None:
+            return out
+        t0 = time.perf_counter()
+        box = [ray.put(payload_to_numpy(out.payload))]  # the one copy: into shared memory
+        return out.with_handle(box, put_s=time.perf_counter() - t0)
 
 
 def agent_actor_class(**options):
@@ -179,62 +145,57 @@ def agent_actor_class(**options):
     return ray.remote(**options)(AgentActor)
 
 
-# -- running a workflow --------------------------------------------------------------------------
-class RayWorkflowRunner:
-    """The actors of one workflow, started once and reused across runs (``run`` resets their agents).
+# -- the executor --------------------------------------------------------------------------------
+class RayExecutor:
+    """The actors of one workflow, started once and reused across runs (``start`` resets their agents).
 
     ``actor_options`` go to every actor (default ``num_cpus=0``: placement by memory, not CPU
     slots, so any number of agents fits a small local cluster; on a multi-node cluster pass e.g.
     ``{"num_cpus": 2}`` or a custom resource to spread them). ``threads`` sets torch threads per actor.
+    ``relay_transfer_s`` is the object-store put (sender) + get (receiver).
     """
 
-    def __init__(self, spec: ModelSpec, wf: Workflow, *, actor_options: dict | None = None, threads: int | None = 1):
+    def __init__(self, spec: ModelSpec | str, wf: Workflow, *, actor_options: dict | None = None,
+                 threads: int | None = 1):
         import ray
 
         if not ray.is_initialized():
             raise RuntimeError("call ray.init(...) first (address='auto' for an existing cluster, see docs/ray.md)")
-        self.spec, self.wf = spec, wf
+        self.spec = ModelSpec(spec) if isinstance(spec, str) else spec
+        self.wf = wf
         cls = agent_actor_class(**({"num_cpus": 0} if actor_options is None else actor_options))
-        self.actors = {a.name: cls.remote(spec, a.name, a.role, a.max_new_tokens, threads) for a in wf.agents}
+        self.actors = {a.name: cls.remote(self.spec, a.name, a.role, a.max_new_tokens, threads) for a in wf.agents}
         fps = set(ray.get([h.fingerprint.remote() for h in self.actors.values()]))
         if len(fps) != 1:
             raise RuntimeError(f"actors loaded different models (fingerprints {sorted(fps)}); relay needs one model")
         self.fingerprint = fps.pop()
 
-    def run(self, context: str, *, mode: str = "kv") -> RunTrace:
-        """Same contract as ``run_workflow(lm, wf, context, mode=mode)``; ``relay_transfer_s`` is the
-        object-store put (sender) + get (receiver)."""
+    def start(self, wf: Workflow) -> None:
         import ray
 
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        plan = self.wf if mode == "kv" else self.wf.with_channels("text")
+        if [a.name for a in wf.agents] != list(self.actors):
+            raise ValueError(f"these actors run agents {list(self.actors)}, not {[a.name for a in wf.agents]}")
         ray.get([h.reset.remote() for h in self.actors.values()])
-        t_run = time.perf_counter()
-        done: dict[str, Finished] = {}
-        put_s: dict[str, float] = {}
-        records = []
-        context_ids = ray.get(self.actors[plan.agents[0].name].context_ids.remote(context))
-        for spec in plan.agents:
-            t0 = time.perf_counter()
-            channel, base, prompt, src_name = resolve_inputs(plan, spec, done, context_ids)
-            cache = done[src_name].payload if src_name is not None else None
-            out = ray.get(self.actors[spec.name].respond.remote(
-                prompt, list(base), cache, layout=plan.layout, max_new_tokens=spec.max_new_tokens,
-                min_new_tokens=spec.min_new_tokens, want_payload=needs_payload(plan, spec.name)))
-            wall = time.perf_counter() - t0
-            put_s[spec.name] = out["put_s"]
-            done[spec.name] = Finished(out["text"], out["ids"], list(base), out["payload"])
-            transfer = (put_s.get(src_name, 0.0) + out["get_s"]) if cache is not None else 0.0
-            records.append(AgentRecord(
-                name=spec.name, channel=channel, input_tokens=out["input_tokens"],
-                prefill_tokens=out["prefill_tokens"], relayed_tokens=out["relayed_tokens"],
-                prefill_s=out["prefill_s"], decode_tokens=len(out["token_ids"]), decode_s=out["decode_s"],
-                relay_bytes=out["relay_bytes"], relay_encode_s=out["relay_encode_s"], relay_transfer_s=transfer,
-                relay_decode_s=out["relay_decode_s"], wall_s=wall, text=out["text"], token_ids=out["token_ids"]))
-            release_unused(plan, done, spec.name)  # dropping a ref frees its object-store copy
-        return RunTrace(self.wf.name, mode, plan.layout, len(context_ids), tuple(records),
-                        time.perf_counter() - t_run)
+
+    def context_ids(self, agent: str, context: str) -> list[int]:
+        import ray
+
+        return ray.get(self.actors[agent].context_ids.remote(context))
+
+    def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
+             min_new_tokens: int, want_payload: bool) -> TurnOut:
+        import ray
+
+        return ray.get(self.actors[agent].turn.remote(prompt, list(base), cache, layout=layout,
+                                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                                      want_payload=want_payload))
+
+    def release(self, handle: Any) -> None:
+        """Nothing to do: dropping the last reference frees the object-store copy."""
+
+    def run(self, context: str, *, mode: str = "kv") -> RunTrace:
+        """``run_workflow(self, self.wf, context, mode=mode)``."""
+        return run_workflow(self, self.wf, context, mode=mode)
 
     def close(self) -> None:
         import ray
@@ -243,24 +204,23 @@ class RayWorkflowRunner:
             ray.kill(h)
         self.actors = {}
 
-    def __enter__(self) -> RayWorkflowRunner:
+    def __enter__(self) -> RayExecutor:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
+RayWorkflowRunner = RayExecutor  # the name the pipeline CLI and docs/ray.md use
+
+
 def run_workflow_ray(spec: ModelSpec | str, wf: Workflow, context: str, *, mode: str = "kv",
                      actor_options: dict | None = None, threads: int | None = 1) -> RunTrace:
-    """``run_workflow`` with every agent a Ray actor (needs ``ray.init`` first). ``spec``: a ``ModelSpec``
-    or a model name. Starts and stops the actors; reuse a ``RayWorkflowRunner`` to amortise that."""
-    if isinstance(spec, str):
-        spec = ModelSpec(name=spec)
-    with RayWorkflowRunner(spec, wf, actor_options=actor_options, threads=threads) as runner:
-        return runner.run(context, mode=mode)
+    """``run_workflow`` with every agent a Ray actor (needs ``ray.init`` first). Starts and stops the
+    actors; keep a ``RayExecutor`` to amortise that."""
+    with RayExecutor(spec, wf, actor_options=actor_options, threads=threads) as ex:
+        return ex.run(context, mode=mode)
 
 
-run_chain_ray = run_workflow_ray  # a chain is a workflow; the name the issue asked for
-
-__all__ = ["AgentActor", "ModelSpec", "RayWorkflowRunner", "agent_actor_class", "payload_from_numpy",
-           "payload_to_numpy", "run_chain_ray", "run_workflow_ray"]
+__all__ = ["AgentActor", "ModelSpec", "RayExecutor", "RayWorkflowRunner", "agent_actor_class", "payload_from_numpy",
+           "payload_to_numpy", "run_workflow_ray"]

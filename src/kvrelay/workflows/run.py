@@ -1,4 +1,8 @@
-"""Run a workflow on one loaded model, agent by agent, and account for every token and second.
+"""The one runner: run a workflow agent by agent on an executor, and account for every token and second.
+
+``run_workflow(executor_or_lm, wf, context, mode=...)`` is the same loop for every executor
+(``workflows.executors``: in-process, Ray actors, one OS process per agent); a loaded model means
+the in-process executor. Each agent's turn is ``workflows.turn.take_turn``.
 
 A run is either ``text`` (every edge re-encodes: the baseline) or ``kv`` (edges as declared).
 Both feed each agent the same token sequence (see ``spec``), so greedy outputs are comparable
@@ -7,7 +11,8 @@ and the relay costs, split the way a transport would split them:
 
 * ``relay_encode_s``   — sender side: finishing the turn into a payload (the last answer token
   and end-of-turn marker go through the model, then the cache is snapshotted);
-* ``relay_transfer_s`` — moving it (0 here: in-process hand-over; stores add this later);
+* ``relay_transfer_s`` — moving it: the executor's hand-off (sender) + fetch (receiver); 0 for an
+  in-process hand-over of the object itself, a store's put + get when edges go through a store;
 * ``relay_decode_s``   — receiver side: building the model cache from the payload (in the
   replace layout this includes prefilling the receiver's own prefix and re-rotating keys).
 """
@@ -17,12 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
-import torch
-
-from kvrelay.agents.agent import Agent, Response
-from kvrelay.kv.payload import KVPayload
+from kvrelay.workflows.executors import Executor, InProcessExecutor
 from kvrelay.workflows.spec import Workflow
+from kvrelay.workflows.turn import TurnOut, take_turn, turn_ids  # noqa: F401 - turn_ids/take_turn: public here too
 
 MODES = ("text", "kv")
 
@@ -91,22 +95,13 @@ class Finished:
     text: str
     ids: list[int]  # its whole turn as tokens (what its cache would hold)
     base: list[int]  # what it read before its own turn
-    payload: KVPayload | None  # its whole-turn cache, when a successor takes it
+    payload: Any  # the executor's handle on its whole-turn cache, when a successor takes it
 
 
 def quote_reports(done: Sequence[tuple[str, str]], prompt: str) -> str:
     """A fan-in agent's turn: the senders' answers, then its own prompt."""
     body = "\n\n".join(f"[{name}] {text.strip()}" for name, text in done)
     return f"Reports:\n\n{body}\n\n{prompt}"
-
-
-def turn_ids(agent: Agent, prompt: str, base: Sequence[int], layout: str, answer: Sequence[int]) -> list[int]:
-    """The tokens an agent's cache holds after its turn; equals the returned payload's ``token_ids``."""
-    if layout == "replace":
-        head = agent.encode(agent.fmt.system(agent.role)) + list(base) + agent.prompt_ids(prompt, with_role=False)
-    else:
-        head = list(base) + agent.prompt_ids(prompt)
-    return head + list(answer) + agent.encode(agent.fmt.assistant_end)
 
 
 def needs_payload(wf: Workflow, name: str) -> bool:
@@ -146,51 +141,48 @@ def resolve_inputs(plan: Workflow, spec, done: dict, context_ids: list[int]
     return channel, base, prompt, cache_src
 
 
-def run_workflow(lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrace:
-    """Run every agent of ``wf`` once over the shared ``context``; ``mode="text"`` re-encodes every edge."""
+def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv") -> RunTrace:
+    """Run every agent of ``wf`` once over the shared ``context``; ``mode="text"`` re-encodes every edge.
+
+    ``executor_or_lm``: an ``Executor`` (``workflows.executors``), or a loaded model to run in process.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ex = executor_or_lm if isinstance(executor_or_lm, Executor) else InProcessExecutor(executor_or_lm)
     plan = wf if mode == "kv" else wf.with_channels("text")
-    layout = plan.layout
-    # Agents are set up before the clock starts: a deployed pipeline builds them once.
-    agents = {a.name: Agent(lm, a.name, a.role, max_new_tokens=a.max_new_tokens) for a in plan.agents}
+    ex.start(plan)
     t_run = time.perf_counter()
     done: dict[str, Finished] = {}
+    put_s: dict[str, float] = {}
     records = []
-    context_ids: list[int] | None = None
+    context_ids = ex.context_ids(plan.agents[0].name, context)
     for spec in plan.agents:
         t0 = time.perf_counter()
-        agent = agents[spec.name]
-        if context_ids is None:
-            context_ids = agent.encode(agent.fmt.user(context))
-        channel, base, prompt, cache_src = resolve_inputs(plan, spec, done, context_ids)
-        cache = done[cache_src].payload if cache_src is not None else None
-        want_payload = needs_payload(plan, spec.name)
-        arg = cache if cache is not None else torch.tensor(base, dtype=torch.int64)
-        t1 = time.perf_counter()
-        r: Response = agent.respond(prompt, arg, layout=layout, max_new_tokens=spec.max_new_tokens,
-                                    min_new_tokens=spec.min_new_tokens, return_payload=want_payload)
-        t2 = time.perf_counter()
-        wall = t2 - t0
-        ids = turn_ids(agent, prompt, base, layout, r.token_ids)
-        if r.payload is not None and r.payload.token_ids[0].tolist() != ids:
-            raise RuntimeError(f"{spec.name}: payload tokens differ from the turn's token sequence")
-        done[spec.name] = Finished(r.text, ids, list(base), r.payload)
-        prefix = len(agent.encode(agent.fmt.system(agent.role))) if (cache is not None and layout == "replace") else 0
-        encode_s = (t2 - t1 - r.cache_build_s - r.prefill_s - r.decode_s) if r.payload is not None else 0.0
-        records.append(AgentRecord(
-            name=spec.name, channel=channel, input_tokens=r.prefill_tokens + r.relayed_tokens + prefix,
-            prefill_tokens=r.prefill_tokens + prefix, relayed_tokens=r.relayed_tokens, prefill_s=r.prefill_s,
-            decode_tokens=len(r.token_ids), decode_s=r.decode_s,
-            relay_bytes=cache.nbytes if cache is not None else 0, relay_encode_s=max(encode_s, 0.0),
-            relay_transfer_s=0.0, relay_decode_s=r.cache_build_s if cache is not None else 0.0,
-            wall_s=wall, text=r.text, token_ids=r.token_ids))
-        release_unused(plan, done, spec.name)
-    return RunTrace(wf.name, mode, layout, len(context_ids or []), tuple(records), time.perf_counter() - t_run)
+        channel, base, prompt, src = resolve_inputs(plan, spec, done, context_ids)
+        cache = done[src].payload if src is not None else None
+        out = ex.turn(spec.name, prompt, list(base), cache, layout=plan.layout, max_new_tokens=spec.max_new_tokens,
+                      min_new_tokens=spec.min_new_tokens, want_payload=needs_payload(plan, spec.name))
+        wall = time.perf_counter() - t0
+        put_s[spec.name] = out.put_s
+        done[spec.name] = Finished(out.text, list(out.ids), list(base), out.payload)
+        transfer = put_s.get(src, 0.0) + out.get_s if cache is not None else 0.0
+        records.append(record(spec.name, channel, out, transfer, wall))
+        release_unused(plan, done, spec.name, ex.release)
+    return RunTrace(wf.name, mode, plan.layout, len(context_ids), tuple(records), time.perf_counter() - t_run)
 
 
-def release_unused(wf: Workflow, done: dict[str, Finished], just_ran: str) -> None:
-    """Drop whole-turn caches no later agent can use (they are tens of MB at a few thousand tokens)."""
+def record(name: str, channel: str, out: TurnOut, transfer_s: float, wall_s: float) -> AgentRecord:
+    return AgentRecord(
+        name=name, channel=channel, input_tokens=out.input_tokens, prefill_tokens=out.prefill_tokens,
+        relayed_tokens=out.relayed_tokens, prefill_s=out.prefill_s, decode_tokens=len(out.token_ids),
+        decode_s=out.decode_s, relay_bytes=out.relay_bytes, relay_encode_s=out.relay_encode_s,
+        relay_transfer_s=transfer_s, relay_decode_s=out.relay_decode_s, wall_s=wall_s, text=out.text,
+        token_ids=out.token_ids)
+
+
+def release_unused(wf: Workflow, done: dict[str, Finished], just_ran: str, release=None) -> None:
+    """Drop whole-turn caches no later agent can use (they are tens of MB at a few thousand tokens);
+    ``release(handle)`` frees one where the executor holds it (a store key, an object-store copy)."""
     names = [a.name for a in wf.agents]
     pending = set(names[names.index(just_ran) + 1:])
     for name, d in done.items():
@@ -199,4 +191,6 @@ def release_unused(wf: Workflow, done: dict[str, Finished], just_ran: str) -> No
         users = {e.dst for e in wf.outgoing(name)}
         users |= {g.dst for e in wf.outgoing(name) for g in wf.outgoing(e.dst)}
         if not users & pending:
+            if release is not None:
+                release(d.payload)
             d.payload = None

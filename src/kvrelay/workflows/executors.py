@@ -1,0 +1,96 @@
+"""Where agents run: the ``Executor`` protocol of the one runner (``workflows.run``), and the in-process one.
+
+An executor owns the agents of a workflow and moves payloads between them; the runner decides who
+runs next and what they read. Every executor calls ``workflows.turn.take_turn``; they differ only
+in where an agent lives and what a payload handle is:
+
+* ``InProcessExecutor`` — agents in this process; the handle is the ``KVPayload`` itself, or, with a
+  ``store`` (a URL, ``transport.stores.open_store``) and/or a ``codec``, the key it was put under;
+* ``workflows.ray_executor.RayExecutor`` — Ray actors; the handle is an object-store reference;
+* ``workflows.process_executor.ProcessExecutor`` — one OS process per agent; the handle is a store key.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from kvrelay.agents.agent import Agent
+from kvrelay.kv import codecs
+from kvrelay.transport.stores import get_payload, open_store, put_payload
+from kvrelay.workflows.spec import Workflow
+from kvrelay.workflows.turn import TurnOut, take_turn
+
+
+@runtime_checkable
+class Executor(Protocol):
+    def start(self, wf: Workflow) -> None:
+        """Set up (or reset) one agent per ``wf.agents`` before a run; not timed."""
+
+    def context_ids(self, agent: str, context: str) -> list[int]:
+        """The shared context as a root agent reads it (one user turn)."""
+
+    def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
+             min_new_tokens: int, want_payload: bool) -> TurnOut:
+        """One turn of ``agent``; ``cache`` is a handle from an earlier ``TurnOut.payload`` or None."""
+
+    def release(self, handle: Any) -> None:
+        """No later agent needs this payload: free it."""
+
+
+def run_key(run_id: str, agent: str) -> str:
+    """The store key of an agent's whole-turn payload in one run."""
+    return f"kvrelay-run:{run_id}:{agent}"
+
+
+class InProcessExecutor:
+    """Agents on one loaded model in this process.
+
+    Without ``store`` and with codec ``raw`` a payload is handed over as the object itself (no copy,
+    ``relay_transfer_s`` = 0). With a ``store`` URL, or any other ``codec`` (then a private
+    ``memory://`` store), every relayed payload is put there encoded with ``codec`` and the receiver
+    gets it back by key (``transport.stores.put_payload`` / ``get_payload``), timed as the transfer.
+    """
+
+    def __init__(self, lm, *, store: str | None = None, codec: str = "raw"):
+        self.lm = lm
+        self.codec = codecs.parse(codec).name
+        if store is None and self.codec != "raw":
+            store = f"memory://kvrelay-inprocess-{secrets.token_hex(4)}"
+        self.store = open_store(store) if store is not None else None
+        self.agents: dict[str, Agent] = {}
+        self.run_id = ""
+
+    def start(self, wf: Workflow) -> None:
+        # Agents are set up before the clock starts: a deployed pipeline builds them once.
+        self.agents = {a.name: Agent(self.lm, a.name, a.role, max_new_tokens=a.max_new_tokens) for a in wf.agents}
+        self.run_id = secrets.token_hex(6)
+
+    def context_ids(self, agent: str, context: str) -> list[int]:
+        a = self.agents[agent]
+        return a.encode(a.fmt.user(context))
+
+    def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
+             min_new_tokens: int, want_payload: bool) -> TurnOut:
+        a = self.agents[agent]
+        get_s = 0.0
+        if cache is not None and self.store is not None:
+            t0 = time.perf_counter()
+            cache = get_payload(self.store, cache, expect=a.identity)
+            get_s = time.perf_counter() - t0
+        out = take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
+                        min_new_tokens=min_new_tokens, want_payload=want_payload, get_s=get_s)
+        if out.payload is None or self.store is None:
+            return out
+        t0 = time.perf_counter()
+        key = put_payload(self.store, out.payload, self.codec, key=run_key(self.run_id, agent), model=a.model)
+        return out.with_handle(key, put_s=time.perf_counter() - t0)
+
+    def release(self, handle: Any) -> None:
+        if self.store is not None and isinstance(handle, str):
+            self.store.delete(handle)
+
+    def close(self) -> None:
+        self.agents = {}

@@ -1,0 +1,87 @@
+"""One agent's turn, the same in every executor: answer, then account for what it read and wrote.
+
+``take_turn`` runs ``Agent.respond`` on a relayed payload (``cache``) or on token ids (``base``,
+re-encoded: the text channel), checks that the payload it returns holds exactly the turn's token
+sequence (``turn_ids``), and returns a ``TurnOut``: the answer, the token counts and the time
+split the way a transport splits it (see ``workflows.run``). Executors add only how a payload
+reaches the agent and leaves it (``get_s`` / ``put_s``): nothing for in-process hand-over, the
+object store for Ray actors, a store URL for worker processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvrelay.agents.agent import Agent
+from kvrelay.kv.payload import KVPayload
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOut:
+    """What a turn produced; ``payload`` is the executor's handle on the whole-turn cache (or None)."""
+
+    text: str
+    token_ids: tuple[int, ...]  # answer tokens (stop token excluded)
+    ids: tuple[int, ...]  # the whole turn's token sequence (what its cache holds)
+    input_tokens: int
+    prefill_tokens: int
+    relayed_tokens: int
+    prefill_s: float
+    decode_s: float
+    relay_bytes: int  # size of the payload it received (0 without one)
+    relay_encode_s: float
+    relay_decode_s: float
+    get_s: float = 0.0  # the executor's fetch of the relayed payload
+    put_s: float = 0.0  # the executor's hand-off of the produced payload
+    payload: Any = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        """Every field but ``payload`` (the handle) as JSON-ready values."""
+        d = {f: getattr(self, f) for f in self.__slots__ if f != "payload"}
+        return d | {"token_ids": list(self.token_ids), "ids": list(self.ids)}
+
+    @classmethod
+    def from_json(cls, d: dict, payload: Any = None) -> TurnOut:
+        return cls(**{**d, "token_ids": tuple(d["token_ids"]), "ids": tuple(d["ids"])}, payload=payload)
+
+    def with_handle(self, payload: Any, put_s: float = 0.0, get_s: float | None = None) -> TurnOut:
+        return replace(self, payload=payload, put_s=put_s, get_s=self.get_s if get_s is None else get_s)
+
+
+def turn_ids(agent: Agent, prompt: str, base: Sequence[int], layout: str, answer: Sequence[int]) -> list[int]:
+    """The tokens an agent's cache holds after its turn; equals the returned payload's ``token_ids``."""
+    if layout == "replace":
+        head = agent.encode(agent.fmt.system(agent.role)) + list(base) + agent.prompt_ids(prompt, with_role=False)
+    else:
+        head = list(base) + agent.prompt_ids(prompt)
+    return head + list(answer) + agent.encode(agent.fmt.assistant_end)
+
+
+def take_turn(agent: Agent, prompt: str, base: Sequence[int], cache: KVPayload | None, layout: str, *,
+              max_new_tokens: int, min_new_tokens: int = 0, want_payload: bool = False,
+              get_s: float = 0.0) -> TurnOut:
+    """``agent`` answers ``prompt`` continuing ``cache`` (a relayed payload) or re-encoding ``base``.
+
+    The returned ``TurnOut.payload`` is the agent's whole-turn ``KVPayload`` when ``want_payload``
+    (an executor swaps in its own handle), else None. ``get_s``: what fetching ``cache`` cost.
+    """
+    arg = cache if cache is not None else torch.tensor(list(base), dtype=torch.int64)
+    t1 = time.perf_counter()
+    r = agent.respond(prompt, arg, layout=layout, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                      return_payload=want_payload)
+    t2 = time.perf_counter()
+    ids = turn_ids(agent, prompt, base, layout, r.token_ids)
+    if r.payload is not None and r.payload.token_ids[0].tolist() != ids:
+        raise RuntimeError(f"{agent.name}: payload tokens differ from the turn's token sequence")
+    prefix = len(agent.encode(agent.fmt.system(agent.role))) if (cache is not None and layout == "replace") else 0
+    encode_s = (t2 - t1 - r.cache_build_s - r.prefill_s - r.decode_s) if r.payload is not None else 0.0
+    return TurnOut(text=r.text, token_ids=tuple(r.token_ids), ids=tuple(ids),
+                   input_tokens=r.prefill_tokens + r.relayed_tokens + prefix, prefill_tokens=r.prefill_tokens + prefix,
+                   relayed_tokens=r.relayed_tokens, prefill_s=r.prefill_s, decode_s=r.decode_s,
+                   relay_bytes=cache.nbytes if cache is not None else 0, relay_encode_s=max(encode_s, 0.0),
+                   relay_decode_s=r.cache_build_s if cache is not None else 0.0, get_s=get_s, payload=r.payload)

@@ -1,0 +1,103 @@
+"""One agent in its own OS process: ``python -m kvrelay.workflows.worker --model M --name A --store URL``.
+
+Driven over stdin/stdout, one JSON object per line (``workflows.process_executor`` is the driver).
+The worker loads its model itself (any ``load_model`` name; ``tiny:ARCH:SEED`` rebuilds the same
+random model in every process) and opens the store itself: payloads never cross the pipe, only
+their keys. Requests and replies::
+
+    {"op": "reset"}                                   -> {"ok": true}          a fresh Agent (round 0)
+    {"op": "context_ids", "context": STR}             -> {"ids": [int]}
+    {"op": "turn", "prompt": STR, "base": [int], "cache": KEY | null, "layout": STR,
+     "max_new_tokens": N, "min_new_tokens": N, "want_payload": BOOL, "out_key": KEY, "codec": NAME}
+                                                      -> {"turn": TurnOut.to_json(), "payload": KEY | null}
+    {"op": "quit"}                                    -> (exits)
+
+The first line it writes is ``{"ready": true, "fingerprint": ...}``; a failed request answers
+``{"error": TYPE, "message": STR}`` and the worker keeps serving. Anything else the libraries
+print goes to stderr, so stdout carries the protocol only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _serve(args, send) -> None:
+    import torch
+
+    from kvrelay.agents.agent import Agent
+    from kvrelay.models.loader import load_model
+    from kvrelay.transport.stores import get_payload, open_store, put_payload
+    from kvrelay.workflows.turn import take_turn
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, engine=args.engine)
+    store = open_store(args.store)
+
+    def fresh() -> Agent:
+        return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens)
+
+    agent = fresh()
+    send({"ready": True, "fingerprint": lm.identity.fingerprint, "pid": os.getpid()})
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "quit":
+                return
+            if req["op"] == "reset":
+                agent = fresh()
+                send({"ok": True})
+            elif req["op"] == "context_ids":
+                send({"ids": agent.encode(agent.fmt.user(req["context"]))})
+            elif req["op"] == "turn":
+                send(_turn(req, agent, store, get_payload, put_payload, take_turn))
+            else:
+                raise ValueError(f"unknown op {req['op']!r}; expected reset, context_ids, turn or quit")
+        except Exception as e:  # reported to the driver, which raises WorkerError
+            send({"error": type(e).__name__, "message": str(e)})
+
+
+def _turn(req: dict, agent, store, get_payload, put_payload, take_turn) -> dict:
+    cache, get_s = None, 0.0
+    if req["cache"] is not None:
+        t0 = time.perf_counter()
+        cache = get_payload(store, req["cache"], expect=agent.identity)
+        get_s = time.perf_counter() - t0
+    out = take_turn(agent, req["prompt"], req["base"], cache, req["layout"], max_new_tokens=req["max_new_tokens"],
+                    min_new_tokens=req["min_new_tokens"], want_payload=req["want_payload"], get_s=get_s)
+    key, put_s = None, 0.0
+    if out.payload is not None:
+        t0 = time.perf_counter()
+        key = put_payload(store, out.payload, req.get("codec", "raw"), key=req["out_key"], model=agent.model)
+        put_s = time.perf_counter() - t0
+    return {"turn": {**out.to_json(), "put_s": put_s}, "payload": key}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvrelay.workflows.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="any load_model name (zoo, folder, tiny:ARCH:SEED)")
+    ap.add_argument("--name", required=True, help="the agent's name")
+    ap.add_argument("--role", default="", help="the agent's role prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--store", required=True, help="store URL shared with the other agents (file:// or redis://)")
+    # the codec of each payload it writes comes with each turn request (kv.codecs names)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--engine", default="fp32", help="kernel mode (models.engine); agents of one workflow share it")
+    args = ap.parse_args(argv)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel
+    os.dup2(2, 1)  # everything else written to stdout lands on stderr
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    _serve(args, send)
+
+
+if __name__ == "__main__":  # pragma: no cover - run as a process
+    main()

@@ -1,0 +1,77 @@
+"""One runner, several executors: in-process, in-process through a store, and one OS process per agent
+exchanging payloads only through a real Redis or a shared disk folder (raw and int8)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvrelay.core.errors import WorkerError
+from kvrelay.models.loader import load_model
+from kvrelay.workflows.executors import InProcessExecutor
+from kvrelay.workflows.process_executor import ProcessExecutor
+from kvrelay.workflows.run import run_workflow
+from kvrelay.workflows.spec import AgentSpec, chain
+
+MODEL = "tiny:qwen2:3"
+CONTEXT = ("the report of the agent is in the file and the bug is in line seven of the code "
+           "the key of the blue vault is four and the answer is not in the plan ") * 2
+
+
+def _chain():
+    specs = [AgentSpec("reader", "read the report", "what is the bug", 6, 6),
+             AgentSpec("fixer", "fix the code", "where is the fix", 6, 6),
+             AgentSpec("checker", "check the fix", "is the answer yes or no", 6, 6)]
+    return chain("chain3", specs)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def in_process(lm):
+    """Reference outputs: raw in process (the object itself handed over) and int8 through a memory store."""
+    wf = _chain()
+    return {"raw": run_workflow(lm, wf, CONTEXT), "int8": run_workflow(InProcessExecutor(lm, codec="int8"), wf, CONTEXT),
+            "text": run_workflow(lm, wf, CONTEXT, mode="text")}
+
+
+def test_in_process_store_edges_equal_direct_hand_over(lm, in_process, tmp_path):
+    wf = _chain()
+    raw = run_workflow(InProcessExecutor(lm, store=str(tmp_path / "s")), wf, CONTEXT)
+    assert raw.outputs() == in_process["raw"].outputs() == in_process["text"].outputs()
+    kv = [a for a in raw.agents if a.channel == "kv"]
+    assert len(kv) == 2 and all(a.relay_transfer_s > 0 and a.relayed_tokens > 0 for a in kv)
+    assert all(a.relay_transfer_s == 0 for a in in_process["raw"].agents)  # the object itself, no store
+    assert not any((tmp_path / "s" / "payloads").rglob("*.safetensors"))  # released once nobody needs them
+
+
+def _check_against(trace, ref) -> None:
+    assert trace.outputs() == ref.outputs()
+    assert [a.channel for a in trace.agents] == ["root", "kv", "kv"]
+    for a in trace.agents[1:]:  # each receiver continued a cache that came out of the store
+        assert a.relayed_tokens > 0 and a.relay_bytes > 0 and a.relay_transfer_s > 0
+
+
+@pytest.mark.parametrize("where", ["redis", "disk"])
+def test_agents_in_separate_processes_exchange_payloads_only_through_a_store(where, in_process, tmp_path,
+                                                                          request):
+    url = (request.getfixturevalue("redis_url").rstrip("/") + f"?namespace=kvrelay-test-{os.getpid()}-{where}"
+           if where == "redis" else f"file://{tmp_path}/store")
+    wf = _chain()
+    with ProcessExecutor(MODEL, wf, store=url) as ex:
+        assert len(set(ex.pids.values())) == 3 and os.getpid() not in ex.pids.values()
+        _check_against(run_workflow(ex, wf, CONTEXT), in_process["raw"])
+        ex.set_codec("int8")
+        _check_against(run_workflow(ex, wf, CONTEXT), in_process["int8"])
+        assert run_workflow(ex, wf, CONTEXT, mode="text").outputs() == in_process["text"].outputs()
+
+
+def test_process_executor_refuses_a_memory_store_and_reports_worker_failures(tmp_path):
+    with pytest.raises(ValueError, match="one process"):
+        ProcessExecutor(MODEL, _chain(), store="memory://x")
+    with pytest.raises(WorkerError, match="tiny"):
+        ProcessExecutor("tiny:gpt9", _chain(), store=str(tmp_path / "s"))
