@@ -87,7 +87,7 @@ def test_bench_pipeline_on_ray_backend_matches_in_process(ray_cluster, tiny_by_a
     wl = replace(wl, workflow=wl.workflow.with_tokens(6, 3))
     local = bench_pipeline(lm, wl, repeats=1, warmup=False)
     with RayWorkflowRunner(ModelSpec.tiny("qwen2"), wl.workflow) as runner:
-        res = bench_pipeline(lm, wl, repeats=1, warmup=False, run=lambda wf, ctx, mode: runner.run(ctx, mode=mode))
+        res = bench_pipeline(lm, wl, repeats=1, warmup=False, executor=runner)
     assert res["outputs_identical"] is True
     assert [a["kv_output"] for a in res["per_agent"]] == [a["kv_output"] for a in local["per_agent"]]
     assert [a["kv_relayed_tokens"] for a in res["per_agent"]] == [a["kv_relayed_tokens"] for a in local["per_agent"]]

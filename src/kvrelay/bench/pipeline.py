@@ -52,15 +52,18 @@ def _common_prefix(a, b) -> int:
 
 
 def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
-                   warmup: bool = True, progress=None, run=None) -> dict:
+                   warmup: bool = True, progress=None, executor=None) -> dict:
     """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the dict of docs/json.md.
 
-    ``run(workflow, context, mode) -> RunTrace`` picks the backend (default: in-process
-    ``run_workflow``; ``RayWorkflowRunner.run`` runs every agent as a Ray actor).
+    ``executor`` picks where agents run (``workflows.executors``; default: in process on ``lm``,
+    payloads handed over as objects): e.g. an ``InProcessExecutor`` through a store with a codec, a
+    ``RayExecutor`` or a ``ProcessExecutor``. Every backend runs the same ``run_workflow`` loop.
     """
-    if run is None:
-        def run(wf, context, mode):
-            return run_workflow(lm, wf, context, mode=mode)
+    ex = lm if executor is None else executor
+
+    def run(wf, context, mode):
+        return run_workflow(ex, wf, context, mode=mode)
+
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup:

@@ -76,7 +76,11 @@ def pipeline(
     plot: bool = typer.Option(True, help="write the PNG next to the JSON"),
     threads: int = typer.Option(None, help="torch intra-op threads (1 is steadier on a shared, busy CPU)"),
     backend: str = typer.Option("inprocess", help="inprocess | ray (every agent a Ray actor; payloads through the "
-                                "object store; --ray-address for an existing cluster, see docs/ray.md)"),
+                                "object store; --ray-address for an existing cluster, see docs/ray.md) | process "
+                                "(every agent its own OS process; payloads only through --store)"),
+    store: str = typer.Option(None, help="store URL every kv edge goes through (file:///DIR, a folder, "
+                              "redis://HOST:PORT/DB, memory:// in process); process backend default: a temporary folder"),
+    codec: str = typer.Option("raw", help="codec of payloads through the store (kv.codecs: fp16, int8, int4, evict:F...)"),
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
@@ -88,27 +92,20 @@ def pipeline(
     lm = load_for_cli(model, threads, engine)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
-    if backend not in ("inprocess", "ray"):
-        raise typer.BadParameter(f"--backend must be inprocess or ray, got {backend!r}")
-    runner_ctx = contextlib.nullcontext()
-    if backend == "ray":
-        import ray
-
-        from kvrelay.workflows.ray_executor import ModelSpec, RayWorkflowRunner
-
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
-                 **({} if ray_address else {"num_cpus": 2}))
-        runner_ctx = RayWorkflowRunner(ModelSpec(name=model, engine=lm.engine), wl.workflow, threads=threads)
-    with runner_ctx as runner:  # None in process: bench_pipeline runs run_workflow itself
-        run = None if runner is None else (lambda wf, ctx, mode: runner.run(ctx, mode=mode))
-        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s), run=run)
+    with _executor(backend, lm, model, wl.workflow, store=store, codec=codec, threads=threads,
+                   ray_address=ray_address) as ex:  # None: in process, payloads handed over as objects
+        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=lambda s: console.print(s),
+                             executor=ex)
     res["backend"] = backend
+    res["store"], res["codec"] = store, codec
     res["engine"] = lm.engine
     res["context_tokens_requested"] = context_tokens
     res["command"] = (f"kvrelay bench pipeline --workflow {workflow} --model {model} --context-tokens {context_tokens}"
                       f" --repeats {repeats}" + (f" --layout {layout}" if layout else "")
                       + (f" --threads {threads}" if threads is not None else "")
-                      + (" --backend ray" if backend == "ray" else "") + f" --engine {engine}")
+                      + (f" --backend {backend}" if backend != "inprocess" else "")
+                      + (f" --store {store}" if store else "") + (f" --codec {codec}" if codec != "raw" else "")
+                      + f" --engine {engine}")
     print_result(res)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +113,39 @@ def pipeline(
         console.print(f"wrote {json_path}")
         if plot:
             console.print(f"wrote {plot_pipeline(res, json_path.with_suffix('.png'))}")
+
+
+@contextlib.contextmanager
+def _executor(backend: str, lm, model: str, wf, *, store: str | None, codec: str, threads: int | None,
+              ray_address: str | None):
+    """The executor a ``--backend`` names (``workflows.executors``), closed afterwards."""
+    if backend == "inprocess":
+        from kvrelay.workflows.executors import InProcessExecutor
+
+        yield InProcessExecutor(lm, store=store, codec=codec) if (store or codec != "raw") else None
+    elif backend == "ray":
+        if store or codec != "raw":
+            raise typer.BadParameter("--store/--codec go with --backend inprocess or process; Ray actors hand "
+                                     "payloads over through Ray's object store")
+        import ray
+
+        from kvrelay.workflows.ray_executor import ModelSpec, RayExecutor
+
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+                 **({} if ray_address else {"num_cpus": 2}))
+        with RayExecutor(ModelSpec(name=model, engine=lm.engine), wf, threads=threads) as ex:
+            yield ex
+    elif backend == "process":
+        import tempfile
+
+        from kvrelay.workflows.process_executor import ProcessExecutor
+
+        with tempfile.TemporaryDirectory(prefix="kvrelay-pipeline-store-") as tmp:
+            with ProcessExecutor(model, wf, store=store or f"file://{tmp}", codec=codec, threads=threads or 1,
+                                 engine=lm.engine) as ex:
+                yield ex
+    else:
+        raise typer.BadParameter(f"--backend must be inprocess, ray or process, got {backend!r}")
 
 
 @app.command("replace-quality")

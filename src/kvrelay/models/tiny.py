@@ -35,6 +35,18 @@ class TinyLM:
     source: str = "tiny"
     chat: bool = True
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def engine(self) -> str:
+        return self.identity.engine
+
 
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
