@@ -189,8 +189,10 @@ def gguf_file_type(path) -> str:
 
 def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new_tokens: int = 64,
                  pipeline_tokens: int = 64, codec: str = "fp16", peer_gguf=None, pipeline: bool = True,
-                 progress=None, array_bytes: int = BANDWIDTH_BYTES) -> dict:
+                 progress=None, array_bytes: int = BANDWIDTH_BYTES, pipeline_modes=None) -> dict:
     """Measure every kvrelay mode in ``lms`` (mode -> loaded model) and, with ``peer_gguf``, llama.cpp.
+
+    ``pipeline_modes``: the kvrelay modes that also run the pipeline (default: every mode).
 
     Returns the raw measurements (``bench.engine_report.report`` makes the report of them).
     """
@@ -223,7 +225,12 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
             trials[key].append(sides[key].trial())
             say(f"repeat {r + 1}/{repeats} {key}: text {trials[key][-1]['text_ttft_s']:.2f}s "
                 f"relay {trials[key][-1]['relay_ttft_s']:.2f}s")
-    pipes = _pipelines(lms, sides, context_tokens, pipeline_tokens, repeats, say) if pipeline else {}
+    modes = list(lms) if pipeline_modes is None else list(pipeline_modes)
+    unknown = sorted(set(modes) - set(lms))
+    if unknown:
+        raise ValueError(f"pipeline modes {unknown} are not among the measured modes {list(lms)}")
+    pipe_lms = {m: lms[m] for m in modes}
+    pipes = _pipelines(first, pipe_lms, sides, context_tokens, pipeline_tokens, repeats, say) if pipeline else {}
     raws = []
     for key, side in sides.items():
         mine = pipes.get(key, {})
@@ -235,11 +242,10 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
             "threads": threads, "repeats": repeats, "codec": codec, "load1_before_repeat": loads, "engines": raws}
 
 
-def _pipelines(lms: dict, sides: dict, context_tokens: int, tokens: int, repeats: int, say) -> dict:
+def _pipelines(first, lms: dict, sides: dict, context_tokens: int, tokens: int, repeats: int, say) -> dict:
     """Every pipeline variant ``repeats`` times, interleaved: {side key: {handoff: [runs]}}."""
     from kvrelay.bench.peers.llamacpp import pipeline as peer_pipeline
 
-    first = next(iter(lms.values()))
     wl = pipeline_workload(first, context_tokens, tokens)
     jobs = [(f"kvrelay:{m}", "kv", lambda lm=lm: kvrelay_pipeline(lm, wl)) for m, lm in lms.items()]
     if "llama.cpp" in sides:

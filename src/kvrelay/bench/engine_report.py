@@ -108,6 +108,10 @@ def targets(rows: list[dict], pipes: list[dict]) -> list[dict]:
                 "higher", f"{best['prefill_tokens_per_s']:.0f} vs {peer['prefill_tokens_per_s']:.0f} tok/s"),
         _target("relay TTFT ahead of llama.cpp", peer["relay_ttft_s"] / best["relay_ttft_s"], 1.0, "higher",
                 f"{best['relay_ttft_s']:.3f} vs {peer['relay_ttft_s']:.3f} s"),
+        *([_target("relay TTFT ahead of llama.cpp's C-API restore", peer["relay_ttft_c_api_s"] / best["relay_ttft_s"],
+                   1.0, "higher", f"{best['relay_ttft_s']:.3f} vs {peer['relay_ttft_c_api_s']:.3f} s "
+                   "(llama_state_set_data without the Python wrapper's copies)")]
+          if "relay_ttft_c_api_s" in peer else []),
         _target("relayed bytes <= llama.cpp's", best["relay_bytes"] / peer["relay_bytes"], 1.0, "lower",
                 f"{best['relay_bytes'] / 1e6:.1f} vs {peer['relay_bytes'] / 1e6:.1f} MB"),
     ]
@@ -140,3 +144,30 @@ def report(raw: dict, *, model: str, command: str, extra: dict | None = None) ->
                     **(extra or {})},
         "rows": rows, "pipeline": pipes, "targets": targets(rows, pipes), "raw": raw,
     }
+
+
+def markdown(res: dict) -> str:
+    """Markdown tables of a ``bench engine`` report: engines side by side, the pipeline, the targets."""
+    m = res["machine"]
+    lines = [f"`{res['command']}`", "",
+             f"{res['model']}, {res['context_tokens']} context tokens + {res['question_tokens']} question tokens, "
+             f"{res['threads']} threads, medians of {res['repeats']} interleaved repeats; machine: "
+             f"{m['mem_gbs']:.1f} GB/s memory bandwidth, {m['gemm_gflops']:.0f} GFLOP/s fp32 GEMM peak; "
+             f"1-min load before each repeat: {', '.join(f'{x:.1f}' for x in res['load_average']['load1_before_repeat'])}.",
+             "", "| engine | mode | prefill tok/s | of GEMM peak | decode tok/s | of bandwidth limit | text TTFT s "
+             "| relay TTFT s | relay MB | relay = text |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['engine']} | {r['mode']} | {r['prefill_tokens_per_s']:.0f} | "
+                     f"{r['prefill_fraction_of_limit']:.2f} | {r['decode_tokens_per_s']:.2f} | "
+                     f"{r['decode_fraction_of_limit']:.2f} | {r['text_ttft_s']:.2f} | {r['relay_ttft_s']:.3f} | "
+                     f"{r['relay_bytes'] / 1e6:.1f} | {'yes' if r['relay_identical'] else 'no'} |")
+    if res["pipeline"]:
+        lines += ["", f"{res['pipeline_workload']}, 5 agents, {res['pipeline_tokens']} tokens each:", "",
+                  "| engine | mode | hand-off | total s | each run s |", "|---|---|---|---:|---|"]
+        lines += [f"| {p['engine']} | {p['mode']} | {p['handoff']} | {p['total_s']:.1f} | "
+                  f"{' '.join(f'{x:.1f}' for x in p['total_s_each'])} |" for p in res["pipeline"]]
+    if res["targets"]:
+        lines += ["", "| target | value | goal | met | measured |", "|---|---:|---:|---|---|"]
+        lines += [f"| {t['target']} | {t['value']:.2f} | {t['goal']:g} | {'yes' if t['met'] else '**no**'} | "
+                  f"{t['detail']} |" for t in res["targets"]]
+    return "\n".join(lines) + "\n"

@@ -93,6 +93,8 @@ def engine_cmd(
     new_tokens: int = typer.Option(64, min=2, help="tokens the receiver writes after the relay (decode rate)"),
     pipeline_tokens: int = typer.Option(64, min=1, help="tokens each pipeline agent writes"),
     pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="also run the 5-agent pipeline"),
+    pipeline_engines: str | None = typer.Option(None, help="kvrelay modes that run the pipeline "
+                                                "(comma-separated; default: every mode of --engines)"),
     codec: str = typer.Option("fp16", help="kvrelay's payload codec on the wire (llama.cpp's state keeps f16 K/V)"),
     threads: int | None = typer.Option(None, help="threads for both engines (default: one per core)"),
     json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
@@ -114,6 +116,8 @@ def engine_cmd(
         gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
         raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
                            pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
+                           pipeline_modes=[m.strip() for m in pipeline_engines.split(",") if m.strip()]
+                           if pipeline_engines else None,
                            progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
     except KVRelayError as err:
         console.print(f"[red]error:[/red] {err}")
