@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("KVRELAY_TEST_THREADS", "2")))  # 1 under mutation testing (fork-safe)
 
 ARCHS = ("llama", "qwen2", "gemma3")
 

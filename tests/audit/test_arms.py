@@ -186,7 +186,7 @@ def test_runner_resume_drops_an_unfinished_last_record(qwen, tmp_path):
 # -- the mismatch control: whose reading is each task's mismatched payload --------------------------------
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 def test_mismatch_partner_is_a_different_task_adjacent_in_length(n):
-    from kvrelay.audit.runner import mismatch_partners, run_order
+    from kvrelay.audit.partners import mismatch_partners, run_order
     from kvrelay.audit.tasks import load_tasks
 
     tasks = load_tasks("gen_easy", limit=n, seed=0)
@@ -203,7 +203,7 @@ def test_mismatch_partner_is_a_different_task_adjacent_in_length(n):
 
 
 def test_runner_gives_each_task_another_tasks_reading_of_its_own_length(qwen, tmp_path):
-    from kvrelay.audit.runner import mismatch_partners, run_order
+    from kvrelay.audit.partners import mismatch_partners, run_order
     from kvrelay.audit.tasks import load_tasks
 
     runner = AuditRunner(AuditConfig(model="tiny", tasks=("gen_easy",), arms=("kv", "kv_mismatched")), qwen, tmp_path)

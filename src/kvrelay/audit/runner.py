@@ -40,6 +40,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
+from kvrelay.audit.partners import mismatch_partners, run_order
 from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.core.errors import KVRelayError
 from kvrelay.kv.payload import KVPayload
@@ -51,24 +52,6 @@ MESSAGE_PROMPT = ("Write a short note for a colleague who must answer the questi
                   "material. Include every fact they need.\n\n{question}")
 MAX_NEW = {"qa_success": 16, "exact_match": 16, "token_f1": 16, "contains": 16, "choice_letter": 6,
            "yes_no": 4, "final_number": 160}
-
-
-def run_order(tasks: list[Task]) -> list[int]:
-    """Task indices in run order: by length (context + prompt characters), ties by index, so tasks of
-    similar length share a batch (less padding)."""
-    return sorted(range(len(tasks)), key=lambda i: (len(tasks[i].context) + len(tasks[i].prompt), i))
-
-
-def mismatch_partners(order: list[int]) -> list[int]:
-    """``partners[i]``: the task whose reading is task ``i``'s mismatched payload — the next task in run
-    order (a fixed shift, wrapping), so never ``i`` itself when there are two tasks or more, of
-    adjacent length, and every task is the partner of exactly one other."""
-    if len(order) < 2:
-        raise ValueError(f"a mismatch partner needs at least 2 tasks, got {len(order)}")
-    partners = [0] * len(order)
-    for k, i in enumerate(order):
-        partners[i] = order[(k + 1) % len(order)]
-    return partners
 
 
 class AuditResumeMismatch(KVRelayError, ValueError):
