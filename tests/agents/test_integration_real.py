@@ -44,7 +44,7 @@ def test_replace_layout_runs_and_keeps_positions(lm):
 
 def test_cli_relay_json_contract(tmp_path):
     out = tmp_path / "relay.json"
-    r = CliRunner().invoke(app, ["relay", "--model", MODEL, "--context", CONTEXT, "--question",
+    r = CliRunner().invoke(app, ["relay", "--model", MODEL, "--context-text", CONTEXT, "--question",
                                  "Which function has the bug?", "--max-new-tokens", "12", "--json", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
@@ -68,5 +68,5 @@ def test_cli_bench_relay_json_contract(tmp_path):
 
 
 def test_cli_rejects_unknown_model():
-    r = CliRunner().invoke(app, ["relay", "--model", "no-such-model-xyz", "--context", "x", "--question", "y"])
-    assert r.exit_code != 0
+    r = CliRunner().invoke(app, ["relay", "--model", "./no-such-model-xyz", "--context-text", CONTEXT, "--question", "y"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --model './no-such-model-xyz': no such folder")

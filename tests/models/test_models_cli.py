@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvrelay.cli.models import app
+from kvrelay.cli import app
 
 runner = CliRunner()
 FIELDS = {"fingerprint", "tokenizer_hash", "layer_types", "sliding_window", "rope", "kv_bytes_per_token_fp32",
@@ -15,7 +15,7 @@ FIELDS = {"fingerprint", "tokenizer_hash", "layer_types", "sliding_window", "rop
 
 
 def test_list_shows_every_zoo_model():
-    res = runner.invoke(app, ["list"])
+    res = runner.invoke(app, ["models", "list"])
     assert res.exit_code == 0, res.output
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"):
         assert name in res.output
@@ -23,7 +23,7 @@ def test_list_shows_every_zoo_model():
 
 def test_info_on_a_local_folder_writes_json(tiny_gemma3_dir, tmp_path):
     out = tmp_path / "info.json"
-    res = runner.invoke(app, ["info", str(tiny_gemma3_dir), "--json", str(out)])
+    res = runner.invoke(app, ["models", "info", str(tiny_gemma3_dir), "--json", str(out)])
     assert res.exit_code == 0, res.output
     facts = json.loads(out.read_text())
     assert FIELDS <= facts.keys()
@@ -31,16 +31,16 @@ def test_info_on_a_local_folder_writes_json(tiny_gemma3_dir, tmp_path):
 
 
 def test_pull_and_info_reject_unknown_names():
-    res = runner.invoke(app, ["pull", "llama-70b"])
-    assert res.exit_code == 1 and "zoo models are" in " ".join(res.output.split())
-    res = runner.invoke(app, ["info", "./no-such-folder"])
-    assert res.exit_code == 1 and "zoo models are" in " ".join(res.output.split())
+    res = runner.invoke(app, ["models", "pull", "llama-70b"])
+    assert res.exit_code == 2 and "expected one of smollm2-135m" in res.stderr
+    res = runner.invoke(app, ["models", "info", "./no-such-folder"])
+    assert res.exit_code == 2 and "no such folder" in res.stderr
 
 
 @pytest.mark.integration
 def test_info_on_smollm2_json(tmp_path):
     out = tmp_path / "smol.json"
-    res = runner.invoke(app, ["info", "smollm2-135m", "--json", str(out)])
+    res = runner.invoke(app, ["models", "info", "smollm2-135m", "--json", str(out)])
     assert res.exit_code == 0, res.output
     facts = json.loads(out.read_text())
     assert FIELDS <= facts.keys()

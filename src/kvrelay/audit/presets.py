@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvrelay.audit.runner import AuditConfig
+from kvrelay.audit.config import AuditConfig
 
 PRESETS: dict[str, AuditConfig] = {
     # Private regime (generated records + SQuAD) next to the shared regime (ARC-Challenge).
@@ -52,7 +52,7 @@ PRESETS: dict[str, AuditConfig] = {
         similarity_sample=0,
         preset="dose",
     ),
-    # What each codec keeps of full relay's accuracy (issue: int8, int4, eviction at 20%).
+    # What each codec keeps of full relay's accuracy: fp16, int8, int4, eviction to 20%.
     "codecs": AuditConfig(
         model="qwen2.5-coder-0.5b",
         tasks=("gen_easy", "squad"),
@@ -80,6 +80,7 @@ PRESETS: dict[str, AuditConfig] = {
 
 
 def preset(name: str, **overrides) -> AuditConfig:
+    """Preset ``name`` with the given fields replaced (``None`` keeps the preset's)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
     clean = {k: v for k, v in overrides.items() if v is not None}

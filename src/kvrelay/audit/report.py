@@ -22,6 +22,7 @@ from kvrelay.audit import plots
 from kvrelay.audit.document import Fig, Para, Section, Table, render_html, render_markdown
 from kvrelay.audit.fmt import ci_text, duration, meta_text, nbytes, pval, value_text
 from kvrelay.audit.stats import ALL, summarize
+from kvrelay.audit.verdict import MAX_TOST_HALF_WIDTH, tost_too_wide
 from kvrelay.audit.vocab import ALPHA, CONTRASTS, arm_order, arm_rank, contrast_rank
 
 #: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
@@ -180,10 +181,12 @@ def _equivalence(summary: Mapping) -> Section:
         return sec
     margin = rows[0].get("margin", 2.8)
     sec.blocks.append(Para(f"Two one-sided tests that the effect lies within ±{margin:g} points (the paper's margin); "
-                           "90% CI from a paired t with cluster-robust SE; Holm across all equivalence tests.", "note"))  # fmt: skip
+                           "90% CI from a paired t with cluster-robust SE; Holm across all equivalence tests. A 90% CI wider "
+                           f"than ±{MAX_TOST_HALF_WIDTH:g} points is too wide to tell either way.", "note"))  # fmt: skip
     out, keys = [], []
     for e in _sorted_effects(rows):
-        eq = "yes" if e.get("equivalent") else ("n/a" if e.get("p_tost") is None else "no")
+        eq = ("yes" if e.get("equivalent") else "n/a" if e.get("p_tost") is None
+              else "too few tasks to tell" if tost_too_wide(e) else "no")
         out.append((e["regime"], _task(e["task"]), e["contrast"], value_text("success", e.get("estimate")),
                     ci_text("success", e.get("ci90_low"), e.get("ci90_high")), f"±{e.get('margin', margin):g}",
                     pval(e.get("p_tost")), pval(e.get("p_holm")), eq, _n(e)))  # fmt: skip

@@ -40,6 +40,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
+from kvrelay.audit.config import AuditConfig, split_task_spec  # noqa: F401 (re-exported)
 from kvrelay.audit.partners import mismatch_partners, run_order
 from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.core.errors import KVRelayError
@@ -56,47 +57,6 @@ MAX_NEW = {"qa_success": 16, "exact_match": 16, "token_f1": 16, "contains": 16, 
 
 class AuditResumeMismatch(KVRelayError, ValueError):
     """A run was asked to continue a folder whose records were made under different settings."""
-
-
-def split_task_spec(spec: str, default: int | None) -> tuple[str, int | None]:
-    """``"squad:160"`` → ``("squad", 160)``; ``"squad"`` → ``("squad", default)``."""
-    name, sep, count = spec.partition(":")
-    if not sep:
-        return spec, default
-    if not count.isdigit() or int(count) < 2:
-        raise ValueError(f"task set {spec!r}: expected NAME or NAME:COUNT with COUNT an integer >= 2")
-    return name, int(count)
-
-
-@dataclass(frozen=True, slots=True)
-class AuditConfig:
-    """One audit run. Presets in ``presets.py``; the CLI maps onto this 1:1."""
-
-    model: str
-    tasks: tuple[str, ...]
-    arms: tuple[str, ...]
-    seeds: tuple[int, ...] = (0,)
-    limit: int | None = 40
-    batch_size: int = 8
-    message_tokens: int = 48
-    similarity_sample: int = 8
-    margin: float = 2.8
-    n_boot: int = 2000
-    preset: str = "custom"
-
-    def __post_init__(self):
-        for a in self.arms:
-            parse_arm(a)
-        if not self.tasks or not self.arms or not self.seeds:
-            raise ValueError("an audit needs at least one task set, one arm and one seed")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        for t in self.tasks:
-            split_task_spec(t, self.limit)
-
-    def task_sets(self) -> list[tuple[str, int | None]]:
-        """``(set name, task cap)`` per entry of ``tasks`` (``NAME:COUNT`` overrides ``limit``)."""
-        return [split_task_spec(t, self.limit) for t in self.tasks]
 
 
 @dataclass
@@ -324,6 +284,10 @@ class AuditRunner:
         sets = {**old_sets, **sizes}
         return {**prev, **asdict(self.cfg), "tasks": list(sets), "arms": union(prev.get("arms", ()), self.cfg.arms),
                 "seeds": union(prev.get("seeds", ()), self.cfg.seeds), "sets": sets, "versions": self.versions}
+
+    def check_resume(self) -> None:
+        """``AuditResumeMismatch`` now (before any trial) if this run cannot continue the folder's records."""
+        self._merged_config(self.set_sizes(), _records_done(self.records_path))
 
     def run(self) -> Path:
         done = _records_done(self.records_path)

@@ -4,6 +4,11 @@ The paper ("When Does Latent Communication Pay? A Causal Audit of Relayed KV Cac
 beats irrelevant relays by +61 to +77 points; on natural (shared) benchmarks matched and
 mismatched caches are equivalent within ±2.8 points (Holm-corrected TOST). The verdict says,
 per regime, what this run found and whether it agrees — including when it is inconclusive.
+
+It knows its power: with fewer than ``MIN_TASKS`` task clusters behind the pooled pairing effect,
+when a private-regime CI still reaches the paper's range without being significant, or when the
+TOST 90% CI is wider than ``±MAX_TOST_HALF_WIDTH`` points, it says "too few tasks to tell" rather
+than agreeing or disagreeing with the paper.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from kvrelay.audit.vocab import ALPHA
 
 PAPER_PRIVATE = "+61 to +77 points"
 PAPER_LOW, PAPER_HIGH = 61.0, 77.0
+# Power floors: below them the verdict says "too few tasks to tell" instead of agreeing or disagreeing.
+MIN_TASKS = 20  # task clusters behind a pooled pairing effect (greedy seeds repeat answers; tasks are the unit)
+MAX_TOST_HALF_WIDTH = 10.0  # points: a 90% CI wider than ±this around its estimate cannot speak to a ±2.8 margin
 
 
 def _pts(x: float | None) -> str:
@@ -83,10 +91,14 @@ def _pairing_sentence(summary: Mapping, regime: str, margin: float) -> str:
                 and e["contrast"] == "pairing" and e["outcome"] == "success"]  # fmt: skip
     if len(per_task) > 1:
         text += " [" + "; ".join(f"{e['task']} {_pts(e['estimate'])}" for e in per_task) + "]"
-    if p_holm is None:
-        return text + " — too few tasks to test, so no comparison with the paper."
+    n_tasks = row.get("n_clusters") or row["n"]
+    if p_holm is None or n_tasks < MIN_TASKS:
+        return text + (f" — too few tasks to tell ({n_tasks} tasks; at least {MIN_TASKS} are needed), so no "
+                       "comparison with the paper.")
     if regime == "private":
         if not (significant and row["estimate"] > 0):
+            if row.get("ci_high") is not None and row["ci_high"] >= PAPER_LOW:
+                return text + (f" — too few tasks to tell: the CI still reaches the paper's {PAPER_PRIVATE}.")
             return text + f" — this model disagrees with the paper, which found {PAPER_PRIVATE} in this regime."
         est = row["estimate"]
         size = "within" if PAPER_LOW <= est <= PAPER_HIGH else ("below" if est < PAPER_LOW else "above")
@@ -102,8 +114,17 @@ def _pairing_sentence(summary: Mapping, regime: str, margin: float) -> str:
     if significant:
         return (text + f"; not equivalent to 0 at ±{margin:g} points ({ci90}, TOST Holm p{_p(eq['p_holm'])})"
                 " — this model disagrees with the paper, which found matched ≈ mismatched here.")  # fmt: skip
+    if tost_too_wide(eq):
+        return (text + f"; equivalence at ±{margin:g} points not testable ({ci90} is wider than "
+                f"±{MAX_TOST_HALF_WIDTH:g} points) — too few tasks to tell.")  # fmt: skip
     return (text + f"; not shown equivalent to 0 at ±{margin:g} points ({ci90}, TOST Holm p{_p(eq['p_holm'])})"
             " — inconclusive at this sample size (the paper found equivalence with 500 tasks × 5 seeds).")  # fmt: skip
+
+
+def tost_too_wide(eq: Mapping) -> bool:
+    """The TOST row's 90% CI is wider than ``±MAX_TOST_HALF_WIDTH`` points: no equivalence claim either way."""
+    lo, hi = eq.get("ci90_low"), eq.get("ci90_high")
+    return lo is None or hi is None or (hi - lo) / 2 > MAX_TOST_HALF_WIDTH
 
 
 def _cost_sentence(effects: list, regime: str) -> str:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvrelay.agents.agent import Agent
+from kvrelay.bench.pipeline import above_ideal
 from kvrelay.core.corpus import prose
 
 QUESTION = "In one sentence, what is the main topic of the text above?"
@@ -41,6 +42,8 @@ class RelayRow:
     text_answer: str
     kv_answer: str
     repeats: int
+    speedup_per_repeat: tuple[float, ...] = ()  # text / kv TTFT of each repeat (they ran back to back)
+    noise: str | None = None  # set when the speedup beats its ideal (machine load, see bench.pipeline.above_ideal)
 
 
 def context_ids(agent: Agent, n_tokens: int, offset: int = 0) -> list[int]:
@@ -95,11 +98,13 @@ def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, que
             decs.append(d)
     med = statistics.median
     text_s, kv_s, recv_s = med(text_t), med(kv_t), med(recv_t)
+    per_repeat = tuple(t / k for t, k in zip(text_t, kv_t, strict=True))
     return RelayRow(
         context_tokens=payload.num_tokens, text_ttft_s=text_s, kv_ttft_s=kv_s, ttft_speedup=text_s / kv_s,
         ideal_ttft_speedup=text_s / recv_s, receiver_prefill_s=recv_s, cache_build_s=med(build_t),
         payload_bytes=nbytes, encode_s=med(encs), decode_s=med(decs), outputs_identical=text_ans == kv_ans,
         text_answer=receiver.decode(text_ans), kv_answer=receiver.decode(kv_ans), repeats=repeats,
+        speedup_per_repeat=per_repeat, noise=above_ideal(text_s / kv_s, text_s / recv_s, list(per_repeat)),
     )
 
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from pathlib import Path
 
@@ -15,15 +14,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+from kvrelay.audit.config import AuditConfig
+from kvrelay.audit.presets import PRESETS, preset
+from kvrelay.cli import validate as v
+from kvrelay.cli.common import (
+    DEFAULT_ENGINE,
+    ENGINE_HELP,
+    command_line,
+    load_for_cli,
+    output_dir,
+    progress_bar,
+)
 
 app = typer.Typer(help="Causal audit: does the relayed cache carry the right content, and what does it cost?",
                   invoke_without_command=True)
 console = Console()
-
-
-def _csv(value: str | None) -> tuple[str, ...] | None:
-    return tuple(x.strip() for x in value.split(",") if x.strip()) if value else None
 
 
 def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) -> dict:
@@ -33,7 +38,7 @@ def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) 
     try:
         paths = rebuild(out, margin=margin, n_boot=n_boot)
     except FileNotFoundError as err:  # no folder or no records.jsonl: rebuild's message says which
-        raise typer.BadParameter(str(err)) from None
+        raise v.InvalidInput(v.one_line(err), "an audit output folder with records.jsonl") from None
     return {"summary": json.loads(paths["summary.json"].read_text()), "paths": paths}
 
 
@@ -52,73 +57,126 @@ def _print_headline(summary: dict) -> None:
     console.print(summary["verdict"])
 
 
+def _preset_help() -> str:
+    return "; ".join(f"{name}: {len(c.tasks)} task sets x {len(c.arms)} arms x {len(c.seeds)} seed(s), limit {c.limit}"
+                     for name, c in PRESETS.items()) + " (docs/audit.md)"
+
+
+def check_config(preset_name: str, model: str | None, tasks: str | None, arms: str | None, seeds: str | None,
+                 limit: int | None, batch_size: int | None) -> AuditConfig:
+    """The run's ``AuditConfig``, every argument checked (before any model loads or folder is made)."""
+    from kvrelay.audit.arms import parse_arm
+    from kvrelay.audit.config import split_task_spec
+    from kvrelay.audit.tasks import available
+
+    v.choice(preset_name, "--preset", tuple(PRESETS))
+    v.positive(limit, "--limit")
+    v.positive(batch_size, "--batch-size")
+    sets = available()
+    task_specs = None
+    if tasks is not None:
+        task_specs = v.csv(tasks, "--tasks", "gen_easy,squad:160")
+        for spec in task_specs:
+            name, _, count = spec.partition(":")
+            if name not in sets:
+                raise v.InvalidInput(f"--tasks: {name!r} is not a task set", "one of " + ", ".join(sets),
+                                     v.suggest(name, sets))
+            try:
+                split_task_spec(spec, None)
+            except ValueError:
+                raise v.InvalidInput(f"--tasks: {spec!r} has a bad count", "NAME or NAME:COUNT with COUNT an "
+                                     "integer >= 2") from None
+    arm_names = None
+    if arms is not None:
+        arm_names = v.parsed_names(arms, "--arms", parse_arm, "arm names such as none,kv,kv_mismatched,kv_noise:0.5 "
+                                   "(docs/audit.md)", known=("none", "text_message", "text_full", "kv", "kv_mismatched",
+                                                             "kv_zeroed", "kv_random"))
+    seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else None
+    cfg = preset(preset_name, model=model, tasks=task_specs, arms=arm_names, seeds=seed_list, limit=limit,
+                 batch_size=batch_size)
+    if any(parse_arm(a).needs_mismatch for a in cfg.arms):
+        for name, count in cfg.task_sets():
+            if count is not None and count < v.MIN_TASKS_FOR_MISMATCH:
+                raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers) pairs "
+                                     "each task with another task of its set",
+                                     f"--limit (or NAME:COUNT) >= {v.MIN_TASKS_FOR_MISMATCH}")
+    v.model(cfg.model)
+    return cfg
+
+
 @app.callback()
 def audit(
     ctx: typer.Context,
-    preset_name: str = typer.Option("quick", "--preset", help="quick | full | smoke"),
-    model: str | None = typer.Option(None, help="zoo name, folder or transformers id (default: the preset's)"),
-    tasks: str | None = typer.Option(None, help="task sets, comma-separated (gen, squad, arc_challenge, ...); "
-                                     "NAME:COUNT caps one set (squad:160)"),
-    arms: str | None = typer.Option(None, help="arms, comma-separated (none, kv, kv_mismatched, kv_noise:0.5, ...)"),
-    seeds: str | None = typer.Option(None, help="seeds, comma-separated"),
-    limit: int | None = typer.Option(None, help="cap on tasks per task set"),
-    batch_size: int | None = typer.Option(None, help="tasks per padded batch"),
+    preset_name: str = typer.Option("quick", "--preset", help=_preset_help()),
+    model: str = typer.Option(None, help="zoo name, folder or transformers id (default: the preset's)"),
+    tasks: str = typer.Option(None, help="task sets, comma-separated (gen_easy, squad, arc_challenge, ...: "
+                              "docs/audit.md); NAME:COUNT caps one set (squad:160)"),
+    arms: str = typer.Option(None, help="arms, comma-separated (none, kv, kv_mismatched, kv_noise:0.5, ...: "
+                             "docs/audit.md)"),
+    seeds: str = typer.Option(None, help="seeds, comma-separated"),
+    limit: int = typer.Option(None, help="cap on tasks per task set"),
+    batch_size: int = typer.Option(None, help="tasks per padded batch"),
     out: Path = typer.Option(Path("out/audit"), help="output folder (re-running resumes)"),
-    threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
     """Run the audit into OUT: records.jsonl, summary.json, report.md, report.html."""
     if ctx.invoked_subcommand is not None:
         return
-    import torch
-    from tqdm import tqdm
+    cfg = check_config(preset_name, model, tasks, arms, seeds, limit, batch_size)
+    v.output_folder(out)
+    v.positive(threads, "--threads")
+    v.engine(engine)
+    lm = load_for_cli(cfg.model, threads, engine)
+    with output_dir(out):
+        elapsed = _run(cfg, lm, out)
+    res = finalize(out, margin=cfg.margin, n_boot=cfg.n_boot)
+    _print_headline(res["summary"])
+    console.print(f"audit took {elapsed / 60:.1f} min; report: {out / 'report.html'}")
 
-    from kvrelay.audit.presets import preset
+
+def _run(cfg: AuditConfig, lm, out: Path) -> float:
+    """Records, similarity probes and ``run.json`` into ``out``; returns the seconds it took."""
+    import torch
+
     from kvrelay.audit.runner import AuditRunner
     from kvrelay.audit.similarity import similarity_rows
     from kvrelay.audit.tasks import load_tasks
-    from kvrelay.cli.common import load_for_cli
 
-    cfg = preset(preset_name, model=model, tasks=_csv(tasks), arms=_csv(arms),
-                 seeds=tuple(int(s) for s in _csv(seeds)) if seeds else None, limit=limit, batch_size=batch_size)
-    lm = load_for_cli(cfg.model, threads, engine)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     runner = AuditRunner(cfg, lm, out)
+    runner.check_resume()  # a folder made under other settings is refused before the progress bar starts
     # a resumed run starts its count at what is already on disk
-    with tqdm(desc=f"audit {cfg.preset}", unit="trial", total=runner.total_trials(),
-              initial=runner.done_trials()) as bar:
+    with progress_bar(desc=f"audit {cfg.preset}", unit="trial", total=runner.total_trials(),
+                      initial=runner.done_trials()) as bar:
         runner.progress = bar.update
         runner.run()
     sim_path = out / "similarity.json"
     sim = json.loads(sim_path.read_text()) if sim_path.exists() else []
     have = {r["task"] for r in sim}
     todo = [name for name, _ in cfg.task_sets() if name not in have] if cfg.similarity_sample else []
-    for name in tqdm(todo, desc="similarity", unit="set", disable=not todo):
-        sim += similarity_rows(runner, load_tasks(name, limit=cfg.similarity_sample, seed=0))
+    with progress_bar(desc="similarity", unit="set", total=len(todo), disable=not todo) as bar:
+        for name in todo:
+            sim += similarity_rows(runner, load_tasks(name, limit=cfg.similarity_sample, seed=0))
+            bar.update(1)
     if todo:
         sim_path.write_text(json.dumps(sim, indent=2) + "\n")
     elapsed = time.time() - started
     prev = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
     merged = json.loads((out / "config.json").read_text())  # what every run into OUT covered, together
-    given = {"--preset": preset_name, "--model": model, "--tasks": tasks, "--arms": arms, "--seeds": seeds,
-             "--limit": limit, "--batch-size": batch_size, "--out": out,
-             "--engine": engine}
-    command = " ".join(["kvrelay audit", *(f"{k} {shlex.quote(str(v))}" for k, v in given.items() if v is not None)])
     meta = {"model": cfg.model, "preset": cfg.preset, "tasks": merged["tasks"], "arms": merged["arms"],
             "seeds": merged["seeds"], "limit": merged["sets"], "elapsed_s": prev.get("elapsed_s", 0.0) + elapsed,
             "threads": torch.get_num_threads(),
-            "commands": [*prev.get("commands", [prev["command"]] if "command" in prev else []), command],
+            "commands": [*prev.get("commands", [prev["command"]] if "command" in prev else []), command_line()],
             "fingerprint": lm.identity.fingerprint, "engine": lm.engine}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
-    res = finalize(out, margin=cfg.margin, n_boot=cfg.n_boot)
-    _print_headline(res["summary"])
-    console.print(f"audit took {elapsed / 60:.1f} min; report: {out / 'report.html'}")
+    return elapsed
 
 
 @app.command("report")
 def report(out: Path = typer.Argument(..., help="an audit output folder")):
     """Rebuild summary.json, report.md and report.html from OUT/records.jsonl."""
+    v.existing_file(out / "records.jsonl", "OUT", "an audit output folder with records.jsonl")
     res = finalize(out)
     _print_headline(res["summary"])
     console.print(f"report: {out / 'report.html'}")

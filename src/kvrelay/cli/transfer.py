@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import json
 import math
-import shlex
-import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+from kvrelay.cli import validate as v
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, command_line, load_for_cli, note, write_json
 
 app = typer.Typer(help="Payload transfer: stores x codecs x sizes, constrained links, break-even bandwidth.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -24,10 +22,6 @@ DEFAULT_PIPELINE = Path("docs/bench/pipeline_doc5_512.json")
 @app.callback()
 def _group() -> None:
     """Keep ``transfer`` a named sub-command even while it is the only one."""
-
-
-def _split(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 def _mbps(x) -> str:
@@ -70,7 +64,24 @@ def print_result(res: dict) -> None:
         console.print(f"pipeline {p['workflow']} ({p['context_tokens']} tokens, {p['hand_offs']} kv hand-offs, "
                       f"in-process {p['in_process_speedup']:.2f}x) across the link [{p['method']}]: "
                       + ", ".join(f"{r['rate_mbit']:g} Mbit/s -> {r['speedup']:.2f}x" for r in p["rows"]))
-    console.print(f"checks: {res['checks']}")
+    c = res["checks"]
+    ct = Table(title=f"checks at {c['context_tokens']} context tokens")
+    for col in ("check", "value", "passes"):
+        ct.add_column(col)
+    for store, frac in c["raw_overhead_fraction_by_store"].items():
+        ct.add_row(f"raw relay overhead, {store} (share of the prefill saved)", f"{100 * frac:.2f}%",
+                   _yes(c["raw_overhead_within_target"]))
+    if c["int8_bytes_fraction_of_fp32"] is not None:
+        ct.add_row("int8 payload bytes, share of fp32", f"{100 * c['int8_bytes_fraction_of_fp32']:.1f}%",
+                   _yes(c["int8_within_30pct"]))
+    console.print(ct)
+
+
+def _yes(x: bool | None) -> str:
+    return "—" if x is None else ("yes" if x else "no")
+
+
+TRANSFER_RESERVE = 96  # the receiver's question around the context
 
 
 @app.command("transfer")
@@ -78,33 +89,51 @@ def transfer(
     model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name, local folder or transformers id"),
     context_tokens: str = typer.Option("512,2048", help="comma-separated context sizes"),
     stores: str = typer.Option("memory,disk,redis", help="comma-separated: memory, disk, redis"),
-    codecs: str = typer.Option("raw,fp16,int8,int4,evict:0.2", help="comma-separated codec names (kv.codecs)"),
-    repeats: int = typer.Option(3, min=1, help="interleaved repeats; medians are reported"),
+    codecs: str = typer.Option("raw,fp16,int8,int4,evict:0.2", help="comma-separated codec names (docs/codecs.md)"),
+    repeats: int = typer.Option(3, help="interleaved repeats; medians are reported"),
     rates: str = typer.Option("10,30,100,1000", help="link rates in Mbit/s for the emulated link"),
     link: bool = typer.Option(True, help="emulate links with network namespaces + tc tbf (needs root)"),
-    bracket: str = typer.Option("raw", help="codecs also sent at 0.5x and 2x their closed-form break-even rate"),
+    bracket: str = typer.Option("raw", help="codecs also sent at 0.5x and 2x their closed-form break-even rate "
+                                "(a subset of --codecs)"),
     redis_url: str = typer.Option(None, help="Redis to use (default: a private redis-server for the run)"),
     disk_dir: Path = typer.Option(None, help="folder for the disk store (default: a temporary one)"),
-    pipeline_json: Path = typer.Option(DEFAULT_PIPELINE, help="a `bench pipeline` JSON to re-cost across the link"),
+    pipeline_json: Path = typer.Option(None, help=f"a `bench pipeline` JSON to re-cost across the link (default: "
+                                       f"{DEFAULT_PIPELINE} when it exists, i.e. run from the repository)"),
     threads: int = typer.Option(None, help="torch intra-op threads"),
     json_path: Path = typer.Option(None, "--json", help="write the result here"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
     """Relay overhead per store x codec x size vs the prefill it saves; break-even bandwidth over emulated links."""
+    from kvrelay.bench.transfer import STORES
+    from kvrelay.kv.codecs import available_codecs, parse
+
+    sizes = v.int_list(context_tokens, "--context-tokens", minimum=16)
+    store_names = v.names(stores, "--stores", STORES, "memory,disk")
+    codec_names = v.parsed_names(codecs, "--codecs", parse, "codec names such as raw,fp16,int8,int4,evict:0.2 "
+                                 f"({', '.join(available_codecs())})", known=("raw", "fp16", "bf16", "int8", "int4"))
+    v.positive(repeats, "--repeats")
+    rate_list = v.float_list(rates, "--rates", example="10,100,1000")
+    bracket_names = v.names(bracket, "--bracket", codec_names, "raw") if bracket.strip() else ()
+    if pipeline_json is not None:
+        v.existing_file(pipeline_json, "--pipeline-json", "a JSON file written by `kvrelay bench pipeline --json`")
+    elif DEFAULT_PIPELINE.is_file():
+        pipeline_json = DEFAULT_PIPELINE
+    v.positive(threads, "--threads")
+    v.writable_path(json_path, "--json")
+    v.engine(engine)
+    ref = v.model(model)
+    for n in sizes:
+        v.fits(ref, n, "--context-tokens", reserve=TRANSFER_RESERVE)
+
     from kvrelay.bench.transfer import bench_transfer, load_pipeline
-    from kvrelay.cli.common import load_for_cli
 
     lm = load_for_cli(model, threads, engine)
-    res = bench_transfer(lm, [int(x) for x in _split(context_tokens)], stores=_split(stores), codec_names=_split(codecs),
-                         repeats=repeats, redis_url=redis_url, disk_dir=disk_dir,
-                         rates_mbit=[float(x) for x in _split(rates)], link=link, bracket_codecs=_split(bracket),
-                         pipeline=load_pipeline(pipeline_json), progress=lambda s: console.print(s, style="dim"))
-    res["command"] = " ".join(["kvrelay", *(shlex.quote(a) for a in sys.argv[1:])])
+    res = bench_transfer(lm, sizes, stores=list(store_names), codec_names=list(codec_names), repeats=repeats,
+                         redis_url=redis_url, disk_dir=disk_dir, rates_mbit=rate_list, link=link,
+                         bracket_codecs=list(bracket_names), pipeline=load_pipeline(pipeline_json), progress=note)
+    res["command"] = command_line()
     print_result(res)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(res, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(json_path, res, console=console)
 
 
 if __name__ == "__main__":  # pragma: no cover

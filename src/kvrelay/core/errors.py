@@ -7,6 +7,18 @@ class KVRelayError(Exception):
     """Base class of every kvrelay error."""
 
 
+class InvalidInput(KVRelayError, ValueError):
+    """An argument a user gave is wrong: what was wrong, what was expected, and a close valid value if any.
+
+    ``str(err)`` is one line: ``<what>; expected <expected>[; did you mean <suggestion>?]``.
+    """
+
+    def __init__(self, what: str, expected: str, suggestion: str | None = None):
+        self.what, self.expected, self.suggestion = what, expected, suggestion
+        msg = f"{what}; expected {expected}"
+        super().__init__(msg + (f"; did you mean {suggestion}?" if suggestion else ""))
+
+
 class FetchError(KVRelayError):
     """A model or data package could not be fetched from the registry."""
 
