@@ -16,6 +16,7 @@ from rich.table import Table
 
 from kvrelay.audit.config import AuditConfig
 from kvrelay.audit.presets import PRESETS, preset
+from kvrelay.audit.vocab import arm_help
 from kvrelay.cli import validate as v
 from kvrelay.cli.common import (
     DEFAULT_ENGINE,
@@ -65,9 +66,9 @@ def _preset_help() -> str:
 def check_config(preset_name: str, model: str | None, tasks: str | None, arms: str | None, seeds: str | None,
                  limit: int | None, batch_size: int | None) -> AuditConfig:
     """The run's ``AuditConfig``, every argument checked (before any model loads or folder is made)."""
-    from kvrelay.audit.arms import parse_arm
     from kvrelay.audit.config import split_task_spec
     from kvrelay.audit.tasks import available
+    from kvrelay.audit.vocab import PLAIN_ARMS, parse_arm
 
     v.choice(preset_name, "--preset", tuple(PRESETS))
     v.positive(limit, "--limit")
@@ -88,9 +89,8 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                                      "integer >= 2") from None
     arm_names = None
     if arms is not None:
-        arm_names = v.parsed_names(arms, "--arms", parse_arm, "arm names such as none,kv,kv_mismatched,kv_noise:0.5 "
-                                   "(docs/audit.md)", known=("none", "text_message", "text_full", "kv", "kv_mismatched",
-                                                             "kv_zeroed", "kv_random"))
+        arm_names = v.parsed_names(arms, "--arms", parse_arm, f"arm names from {arm_help()} (docs/audit.md)",
+                                   known=PLAIN_ARMS)
     seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else None
     cfg = preset(preset_name, model=model, tasks=task_specs, arms=arm_names, seeds=seed_list, limit=limit,
                  batch_size=batch_size)
@@ -111,8 +111,7 @@ def audit(
     model: str = typer.Option(None, help="zoo name, folder or transformers id (default: the preset's)"),
     tasks: str = typer.Option(None, help="task sets, comma-separated (gen_easy, squad, arc_challenge, ...: "
                               "docs/audit.md); NAME:COUNT caps one set (squad:160)"),
-    arms: str = typer.Option(None, help="arms, comma-separated (none, kv, kv_mismatched, kv_noise:0.5, ...: "
-                             "docs/audit.md)"),
+    arms: str = typer.Option(None, help=f"arms, comma-separated: {arm_help()} (docs/audit.md)"),
     seeds: str = typer.Option(None, help="seeds, comma-separated"),
     limit: int = typer.Option(None, help="cap on tasks per task set"),
     batch_size: int = typer.Option(None, help="tasks per padded batch"),

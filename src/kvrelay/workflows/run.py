@@ -77,7 +77,17 @@ class RunTrace:
         return tot
 
     def outputs(self) -> dict[str, tuple[int, ...]]:
+        """Each agent's answer as token ids, by agent name (what text and kv runs compare)."""
         return {a.name: a.token_ids for a in self.agents}
+
+    def texts(self) -> dict[str, str]:
+        """Each agent's answer as text, by agent name."""
+        return {a.name: a.text for a in self.agents}
+
+    @property
+    def final_text(self) -> str:
+        """The last agent's answer."""
+        return self.agents[-1].text
 
     def to_dict(self) -> dict:
         rows = [asdict(a) | {"relay_s": a.relay_s} for a in self.agents]
