@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -301,7 +302,7 @@ def test_payload_invariants_are_corrupt_not_value_errors(field, tensor, match):
 
 
 # -- property: random edits never escape as anything but CorruptPayload -------------------------------
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "150")), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

@@ -1,0 +1,194 @@
+"""Mutation testing of the core modules with mutmut, module by module, each against its fast unit tests.
+
+    python -m tests.mutation                 # every module (what ``make mutation`` runs, niced)
+    python -m tests.mutation kv.wire kv.compat
+
+Each module runs in its own copy of the repository under ``out/mutation/<module>`` (mutmut rewrites
+the copy, never the work tree), with one torch thread so forked test workers are safe. Results
+merge into ``docs/mutation.json``::
+
+    {"modules": {NAME: {"killed", "total"}}, "survivors": [{"module", "line", "mutation", "why_acceptable"}]}
+
+and the table of ``docs/mutation.md``. A surviving mutant must be explained in
+``tests/mutation_survivors.toml`` (matched by module and mutated line); an unexplained one makes
+the run fail, as does a module below ``TARGET`` killed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "out" / "mutation"
+REPORT = ROOT / "docs" / "mutation.json"
+PAGE = ROOT / "docs" / "mutation.md"
+EXPLAINED = ROOT / "tests" / "mutation_survivors.toml"
+TARGET = 0.90
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # the tests noticed the mutant
+
+
+@dataclass(frozen=True)
+class Module:
+    source: str  # path under src/
+    tests: tuple[str, ...]  # pytest selections (files or node ids): fast unit tests only
+    functions: tuple[str, ...] = ()  # mutate only these functions (default: the whole file)
+
+    @property
+    def dotted(self) -> str:
+        return self.source.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        """mutmut mutant-name globs (``pkg.mod.x_<function>__mutmut_<n>``) of the mutants in scope."""
+        return [f"{self.dotted}.x_{f}__mutmut_*" for f in self.functions] or [f"{self.dotted}.*"]
+
+
+# kv/wire.py: the read side only (decode and everything it validates with); writers are not an attack surface
+WIRE_DECODE = ("_tensor_digest", "_root_digest", "_parse_header", "_parse_entry", "_is_hex_digest", "_read",
+               "_payload_meta", "_check_expected", "_held", "_check_layout", "_layer_positions", "_token_range",
+               "_slots", "_decode", "decode")
+
+
+STATS_UNITS = "mcnemar or tost_ or cluster or holm or wilcoxon or bca or paired_test"  # no summary fixtures
+MODULES = {
+    "kv.transforms": Module("kvrelay/kv/transforms.py", ("tests/kv/test_transforms.py",)),
+    "kv.layout": Module("kvrelay/kv/layout.py", ("tests/kv/test_rules.py",)),
+    "kv.wire": Module("kvrelay/kv/wire.py", ("tests/kv/test_wire.py", "tests/kv/test_wire_hostile.py"), WIRE_DECODE),
+    "kv.compat": Module("kvrelay/kv/compat.py", ("tests/kv/test_rules.py",)),
+    "agents.receive": Module("kvrelay/agents/receive.py", ("tests/agents/test_receive.py",)),
+    "audit.hypothesis": Module("kvrelay/audit/hypothesis.py", ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
+    "audit.bootstrap": Module("kvrelay/audit/bootstrap.py", ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
+    "audit.partners": Module("kvrelay/audit/partners.py", ("tests/audit/test_arms.py", "-k", "partner")),
+    "audit.arms": Module("kvrelay/audit/arms.py", ("tests/audit/test_arms.py",)),
+    "transport.keys": Module("kvrelay/transport/keys.py", ("tests/transport/test_keys.py",)),
+}
+
+
+def _prepare(name: str, mod: Module) -> Path:
+    work = OUT / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    shutil.copytree(ROOT / "src", work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    config = {
+        "source_paths": ["src"],
+        "only_mutate": [f"src/{mod.source}"],
+        "pytest_add_cli_args_test_selection": list(mod.tests),
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
+    }
+    lines = [f"{k} = {json.dumps(v)}" for k, v in config.items()]
+    text = (ROOT / "pyproject.toml").read_text()
+    (work / "pyproject.toml").write_text(text + "\n[tool.mutmut]\n" + "\n".join(lines) + "\n")
+    return work
+
+
+def _mutmut(work: Path, *args: str) -> str:
+    env = {**os.environ, "KVRELAY_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": "",
+           "KVRELAY_FUZZ_EXAMPLES": "40"}  # per mutant: the fuzzers still try 40 edits each
+    exe = Path(sys.executable).with_name("mutmut")
+    r = subprocess.run([str(exe), *args], cwd=work, env=env, capture_output=True, text=True)
+    if r.returncode != 0 and args[0] != "run":
+        raise RuntimeError(f"mutmut {' '.join(args)} failed in {work}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def _mutation_of(work: Path, mutant: str, source: Path) -> tuple[int, str]:
+    """(line in the original source, the mutated line) of one mutant, from ``mutmut show``."""
+    diff = _mutmut(work, "show", mutant).splitlines()
+    old = next((x[1:] for x in diff if x.startswith("-") and not x.startswith("---")), "")
+    new = next((x[1:] for x in diff if x.startswith("+") and not x.startswith("+++")), "")
+    lines = source.read_text().splitlines()
+    line = next((i + 1 for i, x in enumerate(lines) if x == old), 0)
+    return line, f"{old.strip()}  ->  {new.strip()}"
+
+
+def run_module(name: str, workers: int) -> tuple[dict, list[dict]]:
+    mod = MODULES[name]
+    work = _prepare(name, mod)
+    print(f"[{name}] mutating src/{mod.source} against {' '.join(mod.tests)}", flush=True)
+    _mutmut(work, "run", "--max-children", str(workers), *mod.patterns())
+    status = {}
+    for row in _mutmut(work, "results", "--all", "true").splitlines():
+        m = re.match(r"\s*(\S+): (.+)$", row)
+        if m and "__mutmut_" in m.group(1) and any(fnmatch.fnmatch(m.group(1), p) for p in mod.patterns()):
+            status[m.group(1)] = m.group(2).strip()
+    if not status:
+        raise RuntimeError(f"[{name}] mutmut produced no results; see {work}")
+    killed = sum(s in KILLED for s in status.values())
+    survivors = []
+    for mutant, s in sorted(status.items()):
+        if s not in KILLED:
+            line, mutation = _mutation_of(work, mutant, ROOT / "src" / mod.source)
+            survivors.append({"module": name, "line": line, "mutation": mutation, "status": s})
+    print(f"[{name}] killed {killed}/{len(status)}", flush=True)
+    return {"killed": killed, "total": len(status)}, survivors
+
+
+def _explain(survivors: list[dict]) -> list[str]:
+    """Fill ``why_acceptable`` from the curated file; returns the survivors nobody explained."""
+    known = tomllib.loads(EXPLAINED.read_text()).get("survivor", []) if EXPLAINED.exists() else []
+    why = {(e["module"], _norm(e["mutation"])): e["why_acceptable"] for e in known}
+    missing = []
+    for s in survivors:
+        s["why_acceptable"] = why.get((s["module"], _norm(s["mutation"])), "")
+        if not s["why_acceptable"]:
+            missing.append(f"  {s['module']}:{s['line']}  {s['mutation']}  ({s['status']})")
+    return missing
+
+
+def _norm(mutation: str) -> str:
+    return re.sub(r"\s+", " ", mutation).strip()
+
+
+def write_page(report: dict) -> None:
+    rows = [f"| `{n}` | {m['killed']} | {m['total']} | {100 * m['killed'] / m['total']:.1f}% |"
+            for n, m in sorted(report["modules"].items())]
+    k = sum(m["killed"] for m in report["modules"].values())
+    t = sum(m["total"] for m in report["modules"].values())
+    text = PAGE.read_text() if PAGE.exists() else "# Mutation testing\n"
+    table = "\n".join(["| module | killed | total | score |", "|---|---:|---:|---:|", *rows,
+                       f"| **all** | **{k}** | **{t}** | **{100 * k / max(t, 1):.1f}%** |"])
+    start, end = "<!-- mutation-table -->", "<!-- /mutation-table -->"
+    block = f"{start}\n{table}\n{end}"
+    text = re.sub(re.escape(start) + ".*?" + re.escape(end), block, text, flags=re.S) if start in text else \
+        text + "\n" + block + "\n"
+    PAGE.write_text(text)
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(MODULES)
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        print(f"unknown modules {unknown}; expected some of {list(MODULES)}", file=sys.stderr)
+        return 2
+    workers = int(os.environ.get("MUTATION_WORKERS", "2"))
+    report = json.loads(REPORT.read_text()) if REPORT.exists() else {"modules": {}, "survivors": []}
+    for name in names:
+        counts, survivors = run_module(name, workers)
+        report["modules"][name] = counts
+        report["survivors"] = [s for s in report["survivors"] if s["module"] != name] + survivors
+        missing = _explain(report["survivors"])
+        report["survivors"].sort(key=lambda s: (s["module"], s["line"]))
+        REPORT.write_text(json.dumps(report, indent=2) + "\n")
+        write_page(report)
+    k = sum(m["killed"] for m in report["modules"].values())
+    t = sum(m["total"] for m in report["modules"].values())
+    print(f"all modules: killed {k}/{t} ({100 * k / max(t, 1):.1f}%), {len(report['survivors'])} survivors")
+    low = [n for n, m in report["modules"].items() if m["killed"] < TARGET * m["total"]]
+    if missing:
+        print("survivors without an explanation in tests/mutation_survivors.toml:\n" + "\n".join(missing))
+    if low:
+        print(f"modules below {TARGET:.0%} killed: {low}")
+    return 1 if (missing or low) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
