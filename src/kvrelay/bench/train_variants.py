@@ -30,7 +30,7 @@ from kvrelay.models.prompt import CHATML
 from kvrelay.models.variants import VARIANTS, VariantSpec
 
 QA_SKIP = 400
-CKPT_EVERY = 20
+CKPT_EVERY = 5
 ROLES = {"qa": "You answer questions about a passage with a short span from it.",
          "summarize": "You summarize Python functions in one sentence."}
 STDLIB_MODULES = ("argparse.py", "calendar.py", "collections/__init__.py", "ftplib.py", "gettext.py", "imaplib.py",
@@ -68,7 +68,7 @@ def summary_pairs() -> list[tuple[str, str, str]]:
     return out
 
 
-def examples(spec: VariantSpec, tokenizer) -> list[tuple[list[int], int]]:
+def examples(spec: VariantSpec, tokenizer, limit: int | None = None) -> list[tuple[list[int], int]]:
     """(token ids, index where the target starts); the context (passage or code) is cut, never the
     question, so the whole fits ``spec.max_tokens``."""
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -85,6 +85,8 @@ def examples(spec: VariantSpec, tokenizer) -> list[tuple[list[int], int]]:
             continue
         ids = sys_ids + head + enc(text)[:room] + q + tail + start
         out.append((ids + tgt, len(ids)))
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 
@@ -99,7 +101,7 @@ def peft_model(spec: VariantSpec, model, tokenizer):
     return get_peft_model(model, cfg)
 
 
-def train(spec: VariantSpec, out: Path, log_every: int = 5) -> Path:
+def train(spec: VariantSpec, out: Path, log_every: int = 1) -> Path:
     """Train (or resume) ``spec`` into ``out``; returns ``out``."""
     from kvrelay.models.loader import load_model
 
@@ -111,7 +113,7 @@ def train(spec: VariantSpec, out: Path, log_every: int = 5) -> Path:
     )
 
     model = peft_model(spec, _from_pretrained(base.source, torch.float32), base.tokenizer)
-    data = examples(spec, base.tokenizer)
+    data = examples(spec, base.tokenizer, limit=spec.steps)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
     step, losses = 0, []

@@ -41,9 +41,9 @@ class VariantSpec:
     rank: int = 8
     alpha: int = 16
     targets: tuple[str, ...] = ("q_proj", "v_proj")
-    steps: int = 40
+    steps: int = 20
     lr: float = 1e-3
-    max_tokens: int = 128
+    max_tokens: int = 96
     seed: int = 0
     alora: bool = False  # activated LoRA: acts only after the assistant turn starts
 
@@ -57,11 +57,11 @@ class VariantSpec:
 # The registry: two roles with different data and divergence, and the aLoRA control.
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in (
     VariantSpec("qa", "qwen2.5-coder-0.5b", "qa", rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                steps=40, lr=1e-3, max_tokens=128),
+                steps=20, lr=1e-3, max_tokens=96),
     VariantSpec("summarizer", "qwen2.5-coder-0.5b", "summarize", rank=8,
-                targets=("q_proj", "v_proj", "up_proj", "down_proj"), steps=40, lr=1e-3, max_tokens=128),
+                targets=("q_proj", "v_proj", "up_proj", "down_proj"), steps=20, lr=1e-3, max_tokens=96),
     VariantSpec("qa-alora", "qwen2.5-coder-0.5b", "qa", rank=8, targets=("q_proj", "k_proj", "v_proj"),
-                steps=20, lr=1e-3, max_tokens=128, alora=True),
+                steps=10, lr=1e-3, max_tokens=96, alora=True),
 )}
 
 
