@@ -46,3 +46,20 @@ def test_cases_refuse_the_wrong_pairing(tasks):
         run_case("replace", a, b, tasks, progress=False)
     with pytest.raises(ValueError, match="different variants"):
         run_case("variant", a, a, tasks, progress=False)
+
+
+def test_cli_writes_the_contract_rows_and_a_plot(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvrelay.cli.app import app
+
+    out = tmp_path / "repair.json"
+    r = CliRunner().invoke(app, ["bench", "repair", "--sender", "tiny:qwen2:1", "--receiver", "tiny:qwen2:0",
+                                 "--model", "tiny:qwen2", "--n", "2", "--context-tokens", "64",
+                                 "--methods", "raw;recompute:tokens=1;reprefill", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["case"], row["method"]) for row in rows} == {
+        (c, m) for c in ("variant", "replace") for m in ("raw", "recompute:tokens=1", "reprefill")}
+    assert all(set(FIELDS) <= set(row) for row in rows)
+    assert out.with_suffix(".png").stat().st_size > 1000

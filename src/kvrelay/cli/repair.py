@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -58,7 +57,7 @@ def repair(
 ):
     """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
     from kvrelay.bench.repair import plot, run_case, summarize, target_met
-    from kvrelay.cli.common import load_for_cli
+    from kvrelay.cli.common import load_for_cli, write_json
     from kvrelay.fuse.profile import load_profile
 
     prof = load_profile(profile) if profile else None
@@ -79,10 +78,9 @@ def repair(
     if json_path:
         out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair", "n": n, "context_tokens": context_tokens,
                                                       "seed": seed}, "target_met": met}
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(json_path, out, console=console)
         plot(rows, json_path.with_suffix(".png"))
-        console.print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+        console.print(f"wrote {json_path.with_suffix('.png')}")
 
 
 @app.command("repair-profile")
