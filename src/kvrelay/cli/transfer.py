@@ -131,6 +131,7 @@ def transfer(
     res = bench_transfer(lm, sizes, stores=list(store_names), codec_names=list(codec_names), repeats=repeats,
                          redis_url=redis_url, disk_dir=disk_dir, rates_mbit=rate_list, link=link,
                          bracket_codecs=list(bracket_names), pipeline=load_pipeline(pipeline_json), progress=note)
+    res["engine"] = lm.engine
     res["command"] = command_line()
     print_result(res)
     write_json(json_path, res, console=console)
