@@ -6,7 +6,7 @@ MODEL ?= qwen2.5-coder-0.5b
 OUT ?= out/demo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-data lint setup clean bench-relay peers bench-engine
+.PHONY: demo test test-data lint setup clean bench-relay mutation peers bench-engine
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,12 @@ peers: setup
 bench-engine: setup
 	flock /tmp/kvrelay-bench.lock $(BIN)/kvrelay bench engine --model $(MODEL) --context-tokens 2048 \
 		--peer llama.cpp --json docs/bench/engine_$(MODEL)_2048.json
+
+# Mutation testing of the core modules against their fast unit tests (CPU-heavy: niced, module by module);
+# writes docs/mutation.json and the table in docs/mutation.md. MODULES="kv.wire kv.compat" runs some of them.
+mutation: setup
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[mutation]'
+	nice -n 15 $(BIN)/python -m tests.mutation $(MODULES)
 
 bench-relay: setup
 	$(BIN)/kvrelay bench relay --model $(MODEL) --context-tokens 512,2048 --repeats 5 --json docs/bench/relay_$(MODEL).json

@@ -342,3 +342,77 @@ def test_resealed_header_edits_raise_only_corrupt_payload(data):
     except CorruptPayload:
         return
     assert isinstance(p, KVPayload)  # an edit that decodes is a well-formed payload (e.g. a new producer name)
+
+
+# -- the exact limits and messages of the checks -------------------------------------------------------
+def test_limits_are_inclusive_and_small_files_are_named_exactly(good):
+    n = int.from_bytes(good[:8], "little")
+    assert wire.decode(good, max_header_bytes=n).meta == synthetic().meta  # a header of exactly the limit is fine
+    refused_limit = pytest.raises(CorruptPayload, match=f"header length {n} bytes exceeds the limit of {n - 1} bytes")
+    with refused_limit:
+        wire.decode(good, max_header_bytes=n - 1)
+    data_len = len(good) - 8 - n
+    assert wire.decode(good, max_total_bytes=data_len).num_tokens == 6
+    with pytest.raises(CorruptPayload, match=f"data section of {data_len} bytes exceeds the limit of {data_len - 1}"):
+        wire.decode(good, max_total_bytes=data_len - 1)
+    refused(bytes(7), r"^truncated payload: 7 bytes, expected at least 8 \(the header length\)$")
+    refused(bytes(8), "header is not valid UTF-8 JSON")  # 8 bytes hold a (zero) length: the header is what fails
+    refused((100).to_bytes(8, "little") + b"{}", r"^truncated payload: header declares 100 bytes but only 2 follow$")
+    refused(forge([1], b""), r"^header is a JSON list, expected an object$")
+
+
+def test_byte_count_mismatch_is_reported_with_both_counts(good):
+    def edit(h, body):
+        h["mask"]["shape"] = [1, 5]
+    refused(edited(good, edit), r"^tensor 'mask': 6 bytes for shape \[1, 5\] BOOL, expected 5$")
+
+
+def test_digest_must_be_lowercase_hex_of_64_digits(good):
+    for bad in ("XY" * 32, "X" * 64, "0" * 63 + "g"):
+        header, body = split(good)
+        table = json.loads(header["__metadata__"]["tensor_sha256"])
+        table["mask"] = bad
+        header["__metadata__"]["tensor_sha256"] = json.dumps(table)
+        refused(forge(header, body, digests=False), "is not a sha256 hex digest")
+
+
+def test_empty_tensors_keep_their_dtype():
+    for dt in (torch.int64, torch.bool, torch.float16, torch.uint8):
+        got, _ = wire.unpack(wire.pack({"e": torch.empty(0, 3, dtype=dt)}, {}))
+        assert got["e"].dtype == dt and got["e"].shape == (0, 3)
+
+
+def test_layer_tensor_names_and_shapes_in_messages():
+    p = synthetic()
+    t = payload_tensors(p) | {"layers.0.v": p.values[0].half()}
+    refused(wire.pack(t, p.meta.to_strings()), r"^layers\.0\.v is stored as F16 but the metadata declares dtype float32")
+    t = payload_tensors(p) | {"layers.1.k": p.keys[1].half()}
+    refused(wire.pack(t, p.meta.to_strings()), r"^layers\.1\.k is stored as F16")
+    t = payload_tensors(p) | {"layers.0.v": torch.zeros(1, 1, 6, 4)}  # one head fewer than k
+    refused(wire.pack(t, p.meta.to_strings()), r"layer 0 \(full_attention\): k \[1, 2, 6, 4\] / v \[1, 1, 6, 4\]")
+    t = payload_tensors(p) | {"layers.0.k": torch.zeros(1, 2, 6), "layers.0.v": torch.zeros(1, 2, 6)}  # 3-D
+    refused(wire.pack(t, p.meta.to_strings()), r"layer 0 \(full_attention\): k \[1, 2, 6\] / v \[1, 2, 6\]")
+
+
+def test_partial_decode_of_bytes_equals_the_transforms():
+    from kvrelay.kv.transforms import select_layers, select_tokens
+
+    p = synthetic()  # T = 6; layer 1 sliding, holds slots 3..5
+    data = wire.encode(p)
+    for tokens, idx in ((slice(3, 5), [3, 4]), (slice(4, 6), [4, 5]), (slice(2, 3), [2]), (None, list(range(6)))):
+        if tokens == slice(2, 3):  # the sliding layer never cached slot 2
+            with pytest.raises(ValueError, match=r"^layer 1 is a sliding-window layer holding slots 3\.\.5; "
+                                                 r"the selection needs slot 2, which it never cached$"):
+                wire.decode(data, tokens=tokens)
+            continue
+        got, want = wire.decode(data, tokens=tokens), select_tokens(p, idx)
+        assert got.num_tokens == len(idx)
+        assert all(torch.equal(a, b) for a, b in zip((*got.keys, *got.values, got.positions),
+                                                     (*want.keys, *want.values, want.positions), strict=True))
+    assert wire.decode(data, layers=[1]).meta == select_layers(p, [1]).meta
+    with pytest.raises(ValueError, match=r"^layers \[5\] are not held by this payload \(holds \[0, 1\]\)$"):
+        wire.decode(data, layers=[0, 5])
+    for bad in (slice(2, 2), slice(0, 6, 2), slice(9, 12)):
+        with pytest.raises(ValueError, match=r"^tokens must select a non-empty contiguous slot range of \[0, 6\)"):
+            wire.decode(data, tokens=bad)
+    assert wire.decode(data, tokens=slice(5, 6)).num_tokens == 1
