@@ -50,3 +50,17 @@ def test_unknown_method_is_refused(setup):
     receiver, sharer, adapter, tasks = setup
     with pytest.raises(ValueError, match="unknown methods"):
         run_tasks(receiver, sharer, adapter, tasks, ("telepathy",))
+
+
+def test_resume_runs_only_the_missing_trials(setup):
+    receiver, sharer, adapter, tasks = setup
+    first = run_tasks(receiver, sharer, adapter, tasks, ("receiver", "ridge"), max_new_tokens=3)
+    kept = [t for t in first if t.method == "receiver" or not t.mismatched]
+    new = []
+    again = run_tasks(receiver, sharer, adapter, tasks, ("receiver", "ridge"), max_new_tokens=3, done=kept,
+                      sink=new.append)
+    assert len(new) == len(tasks) and all(t.method == "ridge" and t.mismatched for t in new)
+    def key(ts):
+        return {(t.task_id, t.method, t.mismatched, t.generation) for t in ts}
+
+    assert len(again) == len(first) and key(again) == key(first)

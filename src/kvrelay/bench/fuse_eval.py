@@ -54,39 +54,58 @@ def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched:
 
 
 def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: Sequence[str] = METHODS, *,
-              max_new_tokens: int = 16, progress: Callable | None = None) -> list[Trial]:
-    """Every method on every task (and ``ridge`` on the next task's payload); one greedy answer each."""
+              max_new_tokens: int = 16, progress: Callable | None = None, done: Sequence[Trial] = (),
+              sink: Callable[[Trial], None] | None = None) -> list[Trial]:
+    """Every method on every task (and ``ridge`` on the next task's payload); one greedy answer each.
+
+    ``done``: trials already on disk (skipped, returned as they are); ``sink`` gets each new trial as it lands.
+    """
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; available: {', '.join(METHODS)}")
     sharer = Agent(sharer_lm, "sharer", max_new_tokens=max_new_tokens)
     plain = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens)
     mapped = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=adapter)
-    payloads, read_s, trials = [], [], []
-    for t in (progress(tasks, "sharer reads") if progress else tasks):
-        t0 = time.perf_counter()
-        payloads.append(sharer.read(t.context))
-        read_s.append(time.perf_counter() - t0)
-    for i, t in enumerate(progress(tasks, "answers") if progress else tasks):
-        p, other = payloads[i], payloads[(i + 1) % len(tasks)]
-        msg = None
-        if "receiver" in methods:
+    have = {(t.task_id, t.method, t.mismatched): t for t in done}
+    trials = list(have.values())
+    reads: dict[int, tuple] = {}
+
+    def payload(i: int):
+        if i not in reads:
+            t0 = time.perf_counter()
+            p = sharer.read(tasks[i].context)
+            reads[i] = (p, time.perf_counter() - t0)
+        return reads[i]
+
+    def todo(t: Task, method: str, mm: bool = False) -> bool:
+        return method in methods and (t.id, method, mm) not in have
+
+    def add(trial: Trial) -> None:
+        trials.append(trial)
+        if sink:
+            sink(trial)
+
+    for i, t in enumerate(progress(tasks, "tasks") if progress else tasks):
+        if todo(t, "receiver"):
             r = plain.respond(t.prompt)
-            trials.append(_trial(t, "receiver", r.text, r.ttft_s, 0))
-        if {"sharer", "text"} & set(methods):
+            add(_trial(t, "receiver", r.text, r.ttft_s, 0))
+        if todo(t, "sharer") or todo(t, "text"):
+            p, read_s = payload(i)
             s = sharer.respond(t.prompt, p)
-            msg = s.text
-            trials.append(_trial(t, "sharer", s.text, read_s[i] + s.ttft_s, 0))
-            if "text" in methods:
-                r = plain.respond(t.prompt, MESSAGE.format(msg=msg.strip() or "(nothing)"))
-                trials.append(_trial(t, "text", r.text, read_s[i] + s.ttft_s + s.decode_s + r.ttft_s, len(msg.encode())))
-        if "text_full" in methods:
+            if todo(t, "sharer"):
+                add(_trial(t, "sharer", s.text, read_s + s.ttft_s, 0))
+            if todo(t, "text"):
+                r = plain.respond(t.prompt, MESSAGE.format(msg=s.text.strip() or "(nothing)"))
+                add(_trial(t, "text", r.text, read_s + s.ttft_s + s.decode_s + r.ttft_s, len(s.text.encode())))
+        if todo(t, "text_full"):
             r = plain.respond(t.prompt, t.context)
-            trials.append(_trial(t, "text_full", r.text, r.ttft_s, len(t.context.encode())))
-        if "ridge" in methods:
-            for payload, mm in ((p, False), (other, True)):
-                r = mapped.respond(t.prompt, payload)
-                trials.append(_trial(t, "ridge", r.text, r.ttft_s, payload.nbytes, mm))
+            add(_trial(t, "text_full", r.text, r.ttft_s, len(t.context.encode())))
+        for j, mm in ((i, False), ((i + 1) % len(tasks), True)):
+            if todo(t, "ridge", mm):
+                p = payload(j)[0]
+                r = mapped.respond(t.prompt, p)
+                add(_trial(t, "ridge", r.text, r.ttft_s, p.nbytes, mm))
+        reads.pop(i - 1, None)  # task i-1's reading is no longer needed (i+1's may be, as i's partner)
     return trials
 
 

@@ -102,7 +102,8 @@ def eval_(
     seed: int = typer.Option(0, help="task order seed"),
     artefact_dir: Path | None = typer.Option(None, "--artefact", help="ridge artefact folder (default: committed)"),
     json_path: Path | None = typer.Option(None, "--json"),
-    records: Path | None = typer.Option(None, help="also write every trial (JSON lines)"),
+    records: Path | None = typer.Option(None, help="every trial as JSON lines, written as it lands; an existing "
+                                        "file is resumed (its trials are kept, not rerun)"),
     threads: int | None = typer.Option(None),
 ):
     """Accuracy (bootstrap CI), median TTFT and bytes per method; pairing (matched − mismatched) for ridge."""
@@ -112,13 +113,30 @@ def eval_(
     from tqdm import tqdm
 
     from kvrelay.audit.tasks.datasets import load_tasks
-    from kvrelay.bench.fuse_eval import run_tasks, summarize, trial_rows
+    from kvrelay.bench.fuse_eval import Trial, run_tasks, summarize, trial_rows
     from kvrelay.cli.app import write_json
 
     r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
     chosen = [t for name in tasks.split(",") for t in load_tasks(name.strip(), limit, seed)]
+    done = []
+    if records and records.is_file():  # resume: keep the trials already written
+        done = [Trial(**json.loads(ln)) for ln in records.read_text().splitlines() if ln.strip().endswith("}")]
+    ids = {t.id for t in chosen}
+    done = [t for t in done if t.task_id in ids]
+    sink_fh = None
+    if records:
+        records.parent.mkdir(parents=True, exist_ok=True)
+        records.write_text("".join(json.dumps(r) + "\n" for r in trial_rows(done)))
+        sink_fh = records.open("a")
+
+    def sink(trial):
+        if sink_fh:
+            sink_fh.write(json.dumps(trial_rows([trial])[0]) + "\n")
+            sink_fh.flush()
+
     trials = run_tasks(r_lm, s_lm, adapter, chosen, tuple(m.strip() for m in methods.split(",")),
-                       max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"))
+                       max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"),
+                       done=done, sink=sink)
     out = summarize(trials, receiver, sharer)
     out["command"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
                       "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}
@@ -129,9 +147,6 @@ def eval_(
     console.print(table)
     for p in out["pairing"]:
         console.print(f"pairing {p['regime']} {p['method']}: {p['estimate']:+.3f} [{p['ci_low']}, {p['ci_high']}]")
-    if records:
-        records.parent.mkdir(parents=True, exist_ok=True)
-        records.write_text("".join(json.dumps(r) + "\n" for r in trial_rows(trials)))
     write_json(json_path, out)
 
 
