@@ -109,7 +109,6 @@ def eval_(
     """Accuracy (bootstrap CI), median TTFT and bytes per method; pairing (matched − mismatched) for ridge."""
     import json
 
-    from rich.table import Table
     from tqdm import tqdm
 
     from kvrelay.audit.tasks.datasets import load_tasks
@@ -140,6 +139,13 @@ def eval_(
     out = summarize(trials, receiver, sharer)
     out["command"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
                       "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}
+    _print(out, receiver, sharer)
+    write_json(json_path, out)
+
+
+def _print(out: dict, receiver: str, sharer: str) -> None:
+    from rich.table import Table
+
     table = Table("regime", "method", "accuracy", "95% CI", "TTFT s", "bytes", "n", title=f"{receiver} <- {sharer}")
     for p in out["pairs"]:
         ci = f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}]" if p["ci_low"] is not None else "-"
@@ -147,6 +153,27 @@ def eval_(
     console.print(table)
     for p in out["pairing"]:
         console.print(f"pairing {p['regime']} {p['method']}: {p['estimate']:+.3f} [{p['ci_low']}, {p['ci_high']}]")
+
+
+@app.command()
+def report(
+    records: list[Path] = typer.Argument(..., help="trial files written by `fuse eval --records` (one pair)"),
+    json_path: Path | None = typer.Option(None, "--json"),
+):
+    """Summarise trial records (e.g. of an interrupted or split eval) into the `fuse eval` JSON and table."""
+    import json
+
+    from kvrelay.bench.fuse_eval import Trial, summarize
+    from kvrelay.cli.app import write_json
+
+    trials = [Trial(**json.loads(ln)) for f in records for ln in f.read_text().splitlines() if ln.strip().endswith("}")]
+    if not trials:
+        raise typer.BadParameter("no trials in the given records")
+    names = records[0].stem.removeprefix("eval_").split("__")
+    receiver, sharer = (names + ["?", "?"])[:2]
+    out = summarize(trials, receiver, sharer)
+    out["command"] = {"records": [str(f) for f in records]}
+    _print(out, receiver, sharer)
     write_json(json_path, out)
 
 
