@@ -34,6 +34,7 @@ from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
 
 LAYOUTS = ("continue", "replace")
+READER_ROLE = "You are a careful reader. Read the document."  # the sender of `kvrelay relay` / `kvrelay read`
 Context = KVPayload | str | Sequence[int] | torch.Tensor | None
 
 

@@ -160,10 +160,10 @@ def relay(
     v.engine(engine)
     ref = v.model(model)
 
-    from kvrelay.agents.agent import Agent
+    from kvrelay.agents.agent import READER_ROLE, Agent
 
     lm = common.load_for_cli(model, None, engine)
-    sender = Agent(lm, "sender", role="You are a careful reader. Read the document.")
+    sender = Agent(lm, "sender", role=READER_ROLE)
     receiver = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens)
     n_ids = len(sender.reading_ids(text_in))
     v.fits(ref, n_ids, "the context's token count", reserve=RELAY_RESERVE + max_new_tokens)
@@ -232,6 +232,7 @@ def bench_relay_cmd(
 
 _mount(app, "kvrelay.cli.models", "models", "The model zoo: list, pull, info.")
 _mount(app, "kvrelay.cli.audit", "audit", "Causal audit of relayed caches: effects with CIs, report.")
+_mount(app, "kvrelay.cli.payload", None)
 _mount(bench_app, "kvrelay.cli.pipeline", None)
 _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")

@@ -288,6 +288,19 @@ def read_meta(source: Source | str | os.PathLike, *, max_header_bytes: int = MAX
         return _file_header(f, max_header_bytes).meta
 
 
+def read_header(data: Source, *, max_header_bytes: int = MAX_HEADER_BYTES) -> Header:
+    """The validated header of kvrelay/1 bytes (root checksum checked; tensors not read)."""
+    buf = memoryview(data).cast("B")
+    return _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+
+
+def tensor_intact(data: Source, h: Header, name: str) -> bool:
+    """Whether tensor ``name``'s bytes still hash to the digest its header records."""
+    e, buf = h.tensors[name], memoryview(data).cast("B")
+    raw = buf[h.data_start + e.begin:h.data_start + e.end]
+    return _tensor_digest(name, e.dtype, e.shape, raw) == h.digests[name]
+
+
 def _file_header(f, max_header_bytes: int) -> Header:
     def read(off: int, n: int) -> bytes:
         f.seek(off)
