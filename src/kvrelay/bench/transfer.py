@@ -28,9 +28,10 @@ sent at half and twice its closed-form break-even, so that change is inside the 
 is faster. Without namespaces (not root, no iproute2) the link part is skipped and said so; the
 closed form is still reported.
 
-**Pipeline over the link**: ``workflows.run`` has no transport hook, so the end-to-end pipeline
-speedup across a link is *computed* from a measured in-process ``bench pipeline`` result (its
-per-agent relay bytes and times) plus this run's measured link throughput and wire costs.
+**Pipeline over the link**: the end-to-end pipeline speedup across an emulated link is *computed*
+from a measured in-process ``bench pipeline`` result (its per-agent relay bytes and times) plus this
+run's measured link throughput and wire costs. (A pipeline whose agents really are apart runs with
+``bench pipeline --backend process --store redis://...``.)
 """
 
 from __future__ import annotations
