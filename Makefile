@@ -42,11 +42,15 @@ test: setup lint test-data
 	$(BIN)/python -m pytest -q -ra
 
 # llama.cpp, the peer of `kvrelay bench engine`: llama-cpp-python built from source with its vendored
-# llama.cpp (cmake; about 15 minutes on 2 cores), tuned for this CPU (GGML_NATIVE). The wheel is cached
-# beside the zoo's wheels, so a second `make peers` installs in seconds. `make test` does not need it.
+# llama.cpp (cmake; about 15 minutes on 2 cores), tuned for this CPU (GGML_NATIVE) but without AMX tile
+# instructions (this VM advertises AMX, yet llama.cpp's AMX kernels die on SIGILL here) and without the
+# multimodal library. The wheel is cached beside the zoo's wheels, so a second `make peers` installs in
+# seconds. `make test` does not need it.
 PEERS_VERSION := 0.3.36
 PEERS_WHEELS := $(HOME)/.cache/kvrelay/wheels/llama-cpp-python-$(PEERS_VERSION)
-PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+PEERS_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON '-DCMAKE_C_FLAGS=$(PEERS_NO_AMX)' '-DCMAKE_CXX_FLAGS=$(PEERS_NO_AMX)' \
+	-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 
 peers: setup
 	mkdir -p $(PEERS_WHEELS)
