@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from kvrelay.cli import validate as v
-from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, note, write_json
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, command_line, note, write_json
 
 app = typer.Typer(pretty_exceptions_enable=False)
 CODEC_FORMS = "a codec name: raw, fp16, bf16, int8, int4, int8-gG, evict:F, layers:SPEC or STAGE+STAGE"
@@ -54,7 +54,7 @@ def _store_url(url: str | None, flag: str = "--store") -> str | None:
 
 def _write_json(path: Path | None, obj: dict) -> None:
     if path is not None and str(path) == "-":
-        print(json.dumps(obj, indent=2))
+        print(json.dumps({**obj, "command": command_line()}, indent=2))
     else:
         write_json(path, obj)
 
