@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -58,6 +60,8 @@ def test_missing_key_is_a_typed_error_naming_key_and_store(store):
     assert isinstance(e, KeyError) and isinstance(e, KVRelayError)
     assert e.key == "nope" and e.store == store.url
     assert "'nope'" in str(e) and store.url in str(e)
+    back = pickle.loads(pickle.dumps(e))  # it crosses process pools and worker pipes
+    assert (type(back), back.key, back.store, str(back)) == (PayloadNotFound, e.key, e.store, str(e))
 
 
 def test_receiver_identity_is_checked(tiny_by_arch):

@@ -95,6 +95,10 @@ class PayloadNotFound(KVRelayError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
 
+    def __reduce__(self):  # picklable (it crosses process pools): rebuilt from its parts, not its message
+        detail = str(self.args[0]).partition(f"in store {self.store} (")[2].removesuffix(")")
+        return type(self), (self.key, self.store, detail)
+
 
 class UnknownStore(KVRelayError, ValueError):
     """A store URL is none of ``memory://[NAME]``, ``file:///ABS/DIR`` (or a directory path), ``redis://HOST:PORT/DB``."""

@@ -42,8 +42,9 @@ class RedisStore(PayloadMethods):
     checked by whoever decodes the bytes (``CorruptPayload``).
     """
 
-    def __init__(self, url: str, *, namespace: str | None = None, chunk_bytes: int = 8 << 20, max_retries: int = 8):
-        """``url``: ``redis://HOST:PORT/DB``, optionally ``?namespace=NS`` (``namespace=`` wins; default kvrelay)."""
+    def __init__(self, url: str, *, namespace: str | None = None, chunk_bytes: int = 8 << 20, max_retries: int = 64):
+        """``url``: ``redis://HOST:PORT/DB``, optionally ``?namespace=NS`` (``namespace=`` wins; default kvrelay).
+        ``max_retries``: how often a get re-reads a key that writers keep replacing before it gives up."""
         import redis
 
         if chunk_bytes <= 0 or chunk_bytes > 256 << 20:
