@@ -1,7 +1,7 @@
 """Each engine mode side by side on one model: decode s/token, prefill tokens/s, relay TTFT, exactness.
 
     flock /tmp/kvrelay-bench.lock .venv/bin/python benchmarks/engine_modes.py \\
-        --model qwen2.5-coder-0.5b --context-tokens 2048 --repeats 3 --threads 2 --new-tokens 24 \\
+        --model qwen2.5-coder-0.5b --context-tokens 2048 --repeats 3 --threads 2 --new-tokens 16 --engines fp32,int8,int4 \\
         --json docs/bench/engine_modes_qwen2.5-coder-0.5b_2048.json
 
 Every mode shares the fp32 weights of one load (``with_engine``); modes are interleaved within each
