@@ -76,6 +76,12 @@ MISTAKES = [
     ("audit-model-typo", ["audit", "--preset", "smoke", "--model", "smollm-135m", "--out", "D"],
      "did you mean 'smollm2-135m'?"),
     ("audit-report-no-folder", ["audit", "report", "D"], "no such file"),
+    ("engine-mode-unknown", ["bench", "engine", "--model", SMOL, "--engines", "fp32,int9"], "did you mean 'int8'?"),
+    ("repair-case-typo", ["bench", "repair", "--cases", "varient"], "did you mean 'variant'?"),
+    ("fuse-eval-task-typo", ["fuse", "eval", "--tasks", "squadd"], "did you mean 'squad'?"),
+    ("fuse-fit-method", ["fuse", "fit", "--method", "layers"], "expected ridge"),
+    ("engine-flag-unknown", ["relay", "--model", SMOL, "--context", "ctx.md", "--question", "Q?", "--engine", "int3"],
+     "expected one of fp32, bf16, fp16, int8, int4, auto"),
     ("models-info-typo", ["models", "info", "smollm-135m"], "did you mean 'smollm2-135m'?"),
     ("models-pull-unknown", ["models", "pull", "llama-70b"], "expected one of smollm2-135m"),
 ]

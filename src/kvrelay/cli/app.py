@@ -95,8 +95,7 @@ class KVRelayGroup(TyperGroup):
 
 app = typer.Typer(cls=KVRelayGroup, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Relay KV caches between LLM agents, audit when it pays, decide per request.")
-bench_app = typer.Typer(no_args_is_help=True, help="Measurements: " + ", ".join(
-    ("relay", "pipeline", "replace-quality", "transfer", "repair", "engine")) + ".")
+bench_app = typer.Typer(no_args_is_help=True)  # its help lists its commands: set after they are mounted
 app.add_typer(bench_app, name="bench")
 console = Console()
 
@@ -238,6 +237,7 @@ _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")
 _mount(bench_app, "kvrelay.cli.repair", None)
 _mount(bench_app, "kvrelay.cli.bench_engine", None)
+bench_app.info.help = "Measurements: " + ", ".join(c.name for c in bench_app.registered_commands) + "."
 
 
 def main() -> None:  # pragma: no cover - console entry

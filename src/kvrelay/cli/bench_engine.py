@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import shlex
-import sys
 from pathlib import Path
 
 import typer
@@ -32,6 +29,12 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _codec_parse(name: str):
+    from kvrelay.kv.codecs import parse
+
+    return parse(name)
 
 
 def _load_modes(model: str, modes: list[str], threads: int | None) -> dict:
@@ -103,33 +106,31 @@ def engine_cmd(
     threads and text, with the machine's bandwidth and GEMM limits measured in the same run."""
     from kvrelay.bench.engine import bench_engine
     from kvrelay.bench.engine_report import report
-    from kvrelay.core.errors import KVRelayError
+    from kvrelay.cli import validate as v
+    from kvrelay.cli.common import command_line, note, write_json
 
-    if peer not in PEERS:
-        raise typer.BadParameter(f"--peer must be one of {PEERS}, got {peer!r}")
-    modes = [m.strip() for m in engines.split(",") if m.strip()]
-    if not modes or len(set(modes)) != len(modes):
-        raise typer.BadParameter(f"--engines needs distinct mode names, got {engines!r}")
+    v.choice(peer, "--peer", PEERS)
+    modes = list(v.names(engines, "--engines", v.ENGINES, "fp32,int8,int4"))
+    if len(set(modes)) != len(modes):
+        raise v.InvalidInput(f"--engines {engines!r} names a mode twice", "distinct mode names")
+    pipe_modes = list(v.names(pipeline_engines, "--pipeline-engines", v.ENGINES, "fp32,int8")) \
+        if pipeline_engines else None
+    v.parsed_names(codec, "--codec", _codec_parse, "one codec name (docs/codecs.md)")
+    if gguf is not None:
+        v.existing_file(gguf, "--gguf", "a .gguf file")
+    v.positive(threads, "--threads")
+    v.writable_path(json_path, "--json")
+    v.model(model)
     threads = threads or os.cpu_count() or 1
-    try:
-        lms = _load_modes(model, modes, threads)
-        gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
-        raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
-                           pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
-                           pipeline_modes=[m.strip() for m in pipeline_engines.split(",") if m.strip()]
-                           if pipeline_engines else None,
-                           progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
-    except KVRelayError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(1) from None
+    lms = _load_modes(model, modes, threads)
+    gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
+    raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
+                       pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
+                       pipeline_modes=pipe_modes, progress=note)
     import torch
 
-    command = "kvrelay " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    res = report(raw, model=model, command=command,
+    res = report(raw, model=model, command=command_line(),
                  extra={"cpu": _cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform(),
                         "torch": torch.__version__})
     print_report(res)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(res, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(json_path, res, console=console)

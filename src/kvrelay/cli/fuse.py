@@ -43,12 +43,15 @@ def fit(
     from tqdm import tqdm
 
     from kvrelay.audit.tasks.fitting import GEN_SEED, fitting_texts
+    from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli
     from kvrelay.fuse import artefact, ridge
 
     if method != "ridge":
-        raise typer.BadParameter(f"only ridge is fitted by `fuse fit` (got {method!r}); see README: "
-                                 "cross-model methods")
+        raise v.InvalidInput(f"--method {method!r} is not fitted by `fuse fit`", "ridge (closed form)")
+    v.model(receiver, "--receiver")
+    v.model(sharer, "--sharer")
+    v.positive(threads, "--threads")
     s_lm = load_for_cli(sharer, threads)
     r_lm = load_for_cli(receiver, threads)
     corpus = fitting_texts(texts)
@@ -111,12 +114,21 @@ def eval_(
 
     from tqdm import tqdm
 
+    from kvrelay.audit.tasks import available
     from kvrelay.audit.tasks.datasets import load_tasks
     from kvrelay.bench.fuse_eval import Trial, run_tasks, summarize, trial_rows
+    from kvrelay.cli import validate as v
     from kvrelay.cli.app import write_json
 
+    task_sets = v.names(tasks, "--tasks", available(), "squad,gen")
+    method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge"), "receiver,ridge")
+    v.model(receiver, "--receiver")
+    v.model(sharer, "--sharer")
+    v.positive(threads, "--threads")
+    v.writable_path(json_path, "--json")
+    v.writable_path(records, "--records")
     r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
-    chosen = [t for name in tasks.split(",") for t in load_tasks(name.strip(), limit, seed)]
+    chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
     done = []
     if records and records.is_file():  # resume: keep the trials already written
         done = [Trial(**json.loads(ln)) for ln in records.read_text().splitlines() if ln.strip().endswith("}")]
@@ -133,12 +145,12 @@ def eval_(
             sink_fh.write(json.dumps(trial_rows([trial])[0]) + "\n")
             sink_fh.flush()
 
-    trials = run_tasks(r_lm, s_lm, adapter, chosen, tuple(m.strip() for m in methods.split(",")),
+    trials = run_tasks(r_lm, s_lm, adapter, chosen, method_list,
                        max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"),
                        done=done, sink=sink)
     out = summarize(trials, receiver, sharer)
-    out["command"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
-                      "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}
+    out["settings"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
+                       "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}  # `command` (the argv): write_json
     _print(out, receiver, sharer)
     write_json(json_path, out)
 
@@ -172,7 +184,7 @@ def report(
     names = records[0].stem.removeprefix("eval_").split("__")
     receiver, sharer = (names + ["?", "?"])[:2]
     out = summarize(trials, receiver, sharer)
-    out["command"] = {"records": [str(f) for f in records]}
+    out["settings"] = {"records": [str(f) for f in records]}  # `command` (the argv): write_json
     _print(out, receiver, sharer)
     write_json(json_path, out)
 
@@ -195,8 +207,13 @@ def ttft(
     import statistics
 
     from kvrelay.bench.fuse_eval import synthetic_payload, time_ttft
+    from kvrelay.cli import validate as v
     from kvrelay.cli.app import write_json
 
+    v.model(receiver, "--receiver")
+    v.model(sharer, "--sharer")
+    v.positive(threads, "--threads")
+    v.writable_path(json_path, "--json")
     r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
     text, payload = synthetic_payload(s_lm, tokens)
     prompt = "Question: What is the access code for the red vault?\nAnswer with the number only."

@@ -13,6 +13,9 @@ app = typer.Typer(help="Repair of approximate cache reuse by selective recompute
 console = Console(width=None if Console().is_terminal else 160)
 
 
+CASES = ("variant", "replace")
+
+
 def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(";") if x.strip()]
 
@@ -57,20 +60,34 @@ def repair(
 ):
     """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
     from kvrelay.bench.repair import plot, run_case, summarize, target_met
+    from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
     from kvrelay.fuse.profile import load_profile
+    from kvrelay.fuse.repair import parse_repair
 
+    case_list = v.names(cases, "--cases", CASES, "variant,replace")
+    method_list = _split(methods)
+    for m in method_list:
+        if m not in ("raw", "reprefill"):
+            v.parsed_names(m, "--methods", parse_repair, "raw, reprefill or recompute:layers=A-B|auto:K,tokens=F, "
+                           "';'-separated")
+    if profile is not None:
+        v.existing_file(profile, "--profile", "a profile JSON from `kvrelay bench repair-profile`")
+    v.positive(threads, "--threads")
+    v.writable_path(json_path, "--json")
+    for name in ((sender, receiver) if "variant" in case_list else ()) + ((model,) if "replace" in case_list else ()):
+        v.model(name)
     prof = load_profile(profile) if profile else None
     tasks = _tasks(n, context_tokens, seed)
     rows, meta = [], {}
-    for case in [c.strip() for c in cases.split(",") if c.strip()]:
+    for case in case_list:
         if case == "variant":
             s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
             meta["variant"] = {"sender": sender, "receiver": receiver}
         else:
             s_lm = r_lm = load_for_cli(model, threads)
             meta[case] = {"model": model}
-        rows += summarize(case, run_case(case, s_lm, r_lm, tasks, _split(methods), max_new_tokens=max_new_tokens,
+        rows += summarize(case, run_case(case, s_lm, r_lm, tasks, method_list, max_new_tokens=max_new_tokens,
                                          profile=prof if case == "variant" else None))
     print_rows(rows)
     met = target_met(rows)
@@ -102,4 +119,10 @@ def repair_profile(
     seqs = [reader.reading_ids(t.context) for t in _tasks(sequences, context_tokens, seed=1000)]
     prof = profile_pair(s_lm, r_lm, seqs)
     prof.save(out)
-    console.print({"deviation": [round(x, 4) for x in prof.deviation], "block(4)": prof.block(4), "wrote": str(out)})
+    t = Table(title=f"K/V deviation per layer, {sender} vs {receiver}")
+    t.add_column("layer", justify="right")
+    t.add_column("deviation", justify="right")
+    for i, x in enumerate(prof.deviation):
+        t.add_row(str(i), f"{x:.4f}")
+    console.print(t)
+    console.print(f"most deviating block of 4 layers: {prof.block(4)}; wrote {out}")

@@ -1,0 +1,138 @@
+"""Every command README.md and docs/ show, run scaled down on smollm2-135m, its output checked against the text.
+
+``RUNS`` are the scaled-down runs; ``test_every_documented_option_is_run`` (fast) fails when a
+documented command or option has no run here. The runs go through the root command in process (the
+same entry the ``kvrelay`` script calls), so the model loads once for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvrelay.cli import app
+from tests.cli.test_docs import ROOT, documented_commands, resolve
+
+SMOL = "smollm2-135m"
+QUESTION = "Which function in the report has the bug, and what is the fix? Answer in one sentence."
+
+# (id, argv with {tmp} for the test's folder, pieces the output must contain)
+RUNS = [
+    ("relay", ["relay", "--model", SMOL, "--context", "docs/demo/context.md", "--question", QUESTION,
+               "--layout", "continue", "--max-new-tokens", "8", "--json", "{tmp}/relay.json"],
+     ["identical answers: True", "kv (relayed cache)"]),
+    ("relay-text", ["relay", "--model", SMOL, "--context-text", "The parser drops the last line.", "--question",
+                    "What does the parser drop?", "--max-new-tokens", "6"], ["text (re-encode)"]),
+    ("bench-relay", ["bench", "relay", "--model", SMOL, "--context-tokens", "64,96", "--repeats", "1",
+                     "--max-new-tokens", "4", "--json", "{tmp}/bench_relay.json"], ["bench relay", "speedup"]),
+    ("pipeline", ["bench", "pipeline", "--workflow", "review3", "--model", SMOL, "--context-tokens", "128",
+                  "--repeats", "1", "--max-new-tokens", "4", "--min-new-tokens", "4", "--threads", "1", "--no-plot",
+                  "--json", "{tmp}/pipeline.json"], ["outputs identical: True", "speedup"]),
+    ("pipeline-toml-store", ["bench", "pipeline", "--workflow", "docs/demo/review2.toml", "--model", SMOL,
+                             "--context-tokens", "128", "--repeats", "1", "--source", "code", "--max-new-tokens", "4",
+                             "--backend", "inprocess", "--store", "memory://docs-test", "--codec", "int8",
+                             "--json", "{tmp}/review2.json"], ["review2", "speedup"]),
+    ("replace-quality", ["bench", "replace-quality", "--workflows", "review3", "--model", SMOL, "--context-tokens",
+                         "128", "--seeds", "0", "--json", "{tmp}/rq.json"], ["replace layout vs text", "fact kv"]),
+    ("transfer", ["bench", "transfer", "--model", SMOL, "--context-tokens", "64", "--stores", "memory,disk",
+                  "--codecs", "raw,fp16,int8,int4,evict:0.2", "--repeats", "1", "--no-link",
+                  "--json", "{tmp}/transfer.json"], ["bench transfer", "break-even", "checks at 64"]),
+    ("audit", ["audit", "--preset", "smoke", "--model", SMOL, "--tasks", "gen_easy:2", "--limit", "2",
+               "--arms", "none,kv,kv_mismatched", "--out", "{tmp}/audit"],
+     ["too few tasks to tell (2 tasks; at least 20 are needed)", "report.html"]),
+    ("audit-report", ["audit", "report", "{tmp}/audit"], ["too few tasks to tell", "report.html"]),
+    ("models-list", ["models", "list"], [SMOL, "qwen2.5-coder-0.5b"]),
+    ("models-pull", ["models", "pull", SMOL], [f"{SMOL}: ready in"]),
+    ("models-info", ["models", "info", SMOL, "--json", "{tmp}/info.json"], ["fingerprint", "KV bytes / token"]),
+    ("models-info-stdout", ["models", "info", SMOL, "--json", "-"], ['"kv_bytes_per_token_fp32"']),
+]
+# documented options no scaled run can use here, and why
+NOT_RUN = {
+    ("bench", "pipeline", "--backend"): "ray: tests/transport/test_ray.py; process: tests/cli/test_pipeline_backends.py",
+    ("bench", "pipeline", "--ray-address"): "needs an existing Ray cluster",
+}
+# which --json section of docs/json.md each run's JSON answers
+JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",
+                 "pipeline": "kvrelay bench pipeline --json", "replace-quality": "kvrelay bench replace-quality --json",
+                 "transfer": "kvrelay bench transfer --json"}
+
+
+def _argv(run: list[str], tmp: Path) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)) for a in run]
+
+
+def test_every_documented_option_is_run():
+    ran: dict[tuple[str, ...], set[str]] = {}
+    for _, argv, _ in RUNS:
+        cmd, _, rest = resolve(list(argv))
+        path = tuple(w for w in argv if not w.startswith("-"))[: len(argv) - len(rest)]
+        ran.setdefault(path, set()).update(w for w in rest if w.startswith("--"))
+    for where, command in documented_commands():
+        words = [w.split("|")[0] for w in command.replace("\\|", "|").replace("[", " ").replace("]", " ").split()[1:]
+                 if w != "..."]
+        if not words or words[0].startswith("-"):
+            continue  # `kvrelay ... --model NAME`: any command
+        _, _, rest = resolve(list(words))
+        path = tuple(words[: len(words) - len(rest)])
+        if not path or path in NOT_RUN:
+            continue  # no such command (test_docs.py reports it) or run elsewhere
+        assert path in ran, f"{where}: `{command}` has no scaled-down run in RUNS"
+        for opt in (w for w in rest if w.startswith("--") and w not in ("--help",)):
+            assert opt in ran[path] or (*path, opt) in NOT_RUN, f"{where}: {opt} of `{command}` is never run"
+
+
+def json_fields(section: str) -> set[str]:
+    text = (ROOT / "docs" / "json.md").read_text()
+    body = text.split(f"## `{section}`", 1)[1].split("\n## ", 1)[0]
+    return {f for row in re.findall(r"^\| (`.*?) \|", body, re.M) for f in re.findall(r"`([a-z_0-9]+)`", row)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("docs")
+    out = {}
+    for name, argv, _ in RUNS:
+        res = CliRunner().invoke(app, _argv(argv, tmp), env={"COLUMNS": "200"})
+        out[name] = (res, _argv(argv, tmp))
+    return tmp, out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("name", "expect"), [(r[0], r[2]) for r in RUNS], ids=[r[0] for r in RUNS])
+def test_documented_command_runs_and_says_what_the_docs_say(results, name, expect):
+    res, _ = results[1][name]
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    for piece in expect:
+        assert " ".join(piece.split()) in flat, (piece, res.output)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(JSON_SECTIONS))
+def test_json_has_the_documented_fields_and_its_command(results, name):
+    tmp, runs = results
+    res, argv = runs[name]
+    assert res.exit_code == 0, res.output
+    path = Path(argv[argv.index("--json") + 1])
+    data = json.loads(path.read_text())
+    missing = json_fields(JSON_SECTIONS[name]) - data.keys()
+    assert not missing, f"docs/json.md lists {sorted(missing)} for {name}; the JSON has none of them"
+    assert data["command"] == shlex.join(["kvrelay", *argv])  # the full command line, every flag
+
+
+@pytest.mark.integration
+def test_audit_folder_holds_the_documented_files(results):
+    tmp, runs = results
+    assert runs["audit"][0].exit_code == 0
+    folder = tmp / "audit"
+    for f in ("records.jsonl", "config.json", "run.json", "summary.json", "report.md", "report.html"):
+        assert (folder / f).is_file(), f
+    run = json.loads((folder / "run.json").read_text())
+    assert run["commands"][-1] == shlex.join(["kvrelay", *runs["audit"][1]])
+    summary = json.loads((folder / "summary.json").read_text())
+    assert "too few tasks to tell" in summary["verdict"]
