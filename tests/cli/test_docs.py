@@ -55,7 +55,9 @@ def test_the_docs_have_commands():
 def test_documented_command_exists_with_its_options(where, command):
     if command.split()[1] == "...":  # `kvrelay ... --model NAME`: any command; --model is on every one that loads
         pytest.skip("stands for any command")
-    alternatives = command.replace("\\|", "|").replace("[", " ").replace("]", " ")
+    alternatives = command.replace("\\|", "|")
+    for c in "[]()":
+        alternatives = alternatives.replace(c, " ")
     words = [w for w in alternatives.split()[1:] if w != "..."]
     words = [w.split("|")[0] for w in words]  # `list | pull NAME`, `continue|replace`: the first stands for all
     cmd, opts, rest = resolve(words)

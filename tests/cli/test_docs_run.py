@@ -46,6 +46,15 @@ RUNS = [
                "--arms", "none,kv,kv_mismatched", "--out", "{tmp}/audit"],
      ["too few tasks to tell (2 tasks; at least 20 are needed)", "report.html"]),
     ("audit-report", ["audit", "report", "{tmp}/audit"], ["too few tasks to tell", "report.html"]),
+    ("read", ["read", "--model", SMOL, "--context", "docs/demo/context.md", "--out", "{tmp}/report.kv",
+              "--codec", "int8"], ["report.kv"]),
+    ("read-store", ["read", "--model", SMOL, "--context", "docs/demo/context.md", "--store", "file://{tmp}/store"],
+     []),  # prints the store key (a content address)
+    ("respond", ["respond", "--model", SMOL, "--payload", "{tmp}/report.kv", "--question", QUESTION,
+                 "--max-new-tokens", "8", "--json", "{tmp}/respond.json"], []),
+    ("inspect", ["inspect", "{tmp}/report.kv", "--json", "{tmp}/inspect.json"], ["int8"]),
+    ("repair", ["bench", "repair", "--cases", "replace", "--model", SMOL, "--n", "2", "--context-tokens", "64",
+                "--methods", "raw;reprefill", "--json", "{tmp}/repair.json"], ["bench repair"]),
     ("models-list", ["models", "list"], [SMOL, "qwen2.5-coder-0.5b"]),
     ("models-pull", ["models", "pull", SMOL], [f"{SMOL}: ready in"]),
     ("models-info", ["models", "info", SMOL, "--json", "{tmp}/info.json"], ["fingerprint", "KV bytes / token"]),
@@ -55,11 +64,16 @@ RUNS = [
 NOT_RUN = {
     ("bench", "pipeline", "--backend"): "ray: tests/transport/test_ray.py; process: tests/cli/test_pipeline_backends.py",
     ("bench", "pipeline", "--ray-address"): "needs an existing Ray cluster",
+    ("respond", "--key"): "the key is printed by `read --store` at run time: tests/cli/test_payload_cli.py",
+    ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
+    ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
+    ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
 }
 # which --json section of docs/json.md each run's JSON answers
 JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",
                  "pipeline": "kvrelay bench pipeline --json", "replace-quality": "kvrelay bench replace-quality --json",
-                 "transfer": "kvrelay bench transfer --json"}
+                 "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
+                 "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:
@@ -73,8 +87,10 @@ def test_every_documented_option_is_run():
         path = tuple(w for w in argv if not w.startswith("-"))[: len(argv) - len(rest)]
         ran.setdefault(path, set()).update(w for w in rest if w.startswith("--"))
     for where, command in documented_commands():
-        words = [w.split("|")[0] for w in command.replace("\\|", "|").replace("[", " ").replace("]", " ").split()[1:]
-                 if w != "..."]
+        flat = command.replace("\\|", "|")
+        for c in "[]()":
+            flat = flat.replace(c, " ")
+        words = [w.split("|")[0] for w in flat.split()[1:] if w != "..."]
         if not words or words[0].startswith("-"):
             continue  # `kvrelay ... --model NAME`: any command
         _, _, rest = resolve(list(words))
