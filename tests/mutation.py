@@ -2,6 +2,7 @@
 
     python -m tests.mutation                 # every module (what ``make mutation`` runs, niced)
     python -m tests.mutation kv.wire kv.compat
+    python -m tests.mutation --recheck kv.wire   # only the last run's survivors, against the current tests
 
 Each module runs in its own copy of the repository under ``out/mutation/<module>`` (mutmut rewrites
 the copy, never the work tree), with one torch thread so forked test workers are safe. Results
@@ -16,6 +17,8 @@ the run fail, as does a module below ``TARGET`` killed.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import fnmatch
 import json
 import os
@@ -100,21 +103,55 @@ def _mutmut(work: Path, *args: str) -> str:
     return r.stdout
 
 
-def _mutation_of(work: Path, mutant: str, source: Path) -> tuple[int, str]:
-    """(line in the original source, the mutated line) of one mutant, from ``mutmut show``."""
-    diff = _mutmut(work, "show", mutant).splitlines()
-    old = next((x[1:] for x in diff if x.startswith("-") and not x.startswith("---")), "")
-    new = next((x[1:] for x in diff if x.startswith("+") and not x.startswith("+++")), "")
+def _functions(mutated: Path) -> dict[str, str]:
+    """Source of every top-level function in mutmut's rewritten module (originals and mutants)."""
+    text = mutated.read_text()
+    lines = text.splitlines()
+    return {n.name: "\n".join(lines[n.lineno - 1:n.end_lineno]) for n in ast.parse(text).body
+            if isinstance(n, ast.FunctionDef)}
+
+
+def _mutation_of(funcs: dict[str, str], mutant: str, source: Path) -> tuple[int, str]:
+    """(line in the original source, ``old -> new``) of one mutant: its function diffed against the original."""
+    short = mutant.rsplit(".", 1)[-1]  # x_<function>__mutmut_<n>
+    orig = funcs.get(short.rsplit("__mutmut_", 1)[0] + "__mutmut_orig", "").splitlines()[1:]  # bodies: the
+    mut = funcs.get(short, "").splitlines()[1:]  # def lines differ by name only (a multi-line def: its tail is equal)
+    diff = [d for d in difflib.ndiff(orig, mut) if d[:1] in "-+"]
+    old = next((d[2:] for d in diff if d.startswith("- ")), "")
+    new = next((d[2:] for d in diff if d.startswith("+ ")), "")
     lines = source.read_text().splitlines()
-    line = next((i + 1 for i, x in enumerate(lines) if x == old), 0)
+    line = next((i + 1 for i, x in enumerate(lines) if x.strip() == old.strip() and old.strip()), 0)
     return line, f"{old.strip()}  ->  {new.strip()}"
 
 
-def run_module(name: str, workers: int) -> tuple[dict, list[dict]]:
+def _reopen_survivors(work: Path, mod: Module) -> list[str]:
+    """Forget the verdicts of the surviving mutants of a finished run (so they are tested again) and
+    bring in the current tests; returns their names. The source is unchanged, so the rest stand."""
+    meta = work / "mutants" / "src" / (mod.source + ".meta")
+    d = json.loads(meta.read_text())
+    codes = d["exit_code_by_key"]
+    again = [k for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in mod.patterns())
+             and (v is None or v == 0 or v == 5)]  # 0: survived, 5: no tests ran
+    for k in again:
+        codes[k] = None
+    meta.write_text(json.dumps(d))
+    shutil.rmtree(work / "tests")
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    return again
+
+
+def run_module(name: str, workers: int, recheck: bool = False) -> tuple[dict, list[dict]]:
     mod = MODULES[name]
-    work = _prepare(name, mod)
-    print(f"[{name}] mutating src/{mod.source} against {' '.join(mod.tests)}", flush=True)
-    _mutmut(work, "run", "--max-children", str(workers), *mod.patterns())
+    work = OUT / name
+    if recheck and (work / "mutants").is_dir():
+        names = _reopen_survivors(work, mod)
+        print(f"[{name}] re-testing {len(names)} surviving mutants against the current tests", flush=True)
+        if names:
+            _mutmut(work, "run", "--max-children", str(workers), *names)
+    else:
+        work = _prepare(name, mod)
+        print(f"[{name}] mutating src/{mod.source} against {' '.join(mod.tests)}", flush=True)
+        _mutmut(work, "run", "--max-children", str(workers), *mod.patterns())
     status = {}
     for row in _mutmut(work, "results", "--all", "true").splitlines():
         m = re.match(r"\s*(\S+): (.+)$", row)
@@ -124,9 +161,10 @@ def run_module(name: str, workers: int) -> tuple[dict, list[dict]]:
         raise RuntimeError(f"[{name}] mutmut produced no results; see {work}")
     killed = sum(s in KILLED for s in status.values())
     survivors = []
+    funcs = _functions(work / "mutants" / "src" / mod.source)
     for mutant, s in sorted(status.items()):
         if s not in KILLED:
-            line, mutation = _mutation_of(work, mutant, ROOT / "src" / mod.source)
+            line, mutation = _mutation_of(funcs, mutant, ROOT / "src" / mod.source)
             survivors.append({"module": name, "line": line, "mutation": mutation, "status": s})
     print(f"[{name}] killed {killed}/{len(status)}", flush=True)
     return {"killed": killed, "total": len(status)}, survivors
@@ -164,7 +202,8 @@ def write_page(report: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(MODULES)
+    recheck = "--recheck" in argv  # re-test only the survivors of the last run (after adding tests)
+    names = [a for a in argv if a != "--recheck"] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         print(f"unknown modules {unknown}; expected some of {list(MODULES)}", file=sys.stderr)
@@ -172,7 +211,9 @@ def main(argv: list[str]) -> int:
     workers = int(os.environ.get("MUTATION_WORKERS", "2"))
     report = json.loads(REPORT.read_text()) if REPORT.exists() else {"modules": {}, "survivors": []}
     for name in names:
-        counts, survivors = run_module(name, workers)
+        counts, survivors = run_module(name, workers, recheck)
+        if REPORT.exists():  # another run may have written meanwhile: merge into what is on disk
+            report = json.loads(REPORT.read_text())
         report["modules"][name] = counts
         report["survivors"] = [s for s in report["survivors"] if s["module"] != name] + survivors
         missing = _explain(report["survivors"])
