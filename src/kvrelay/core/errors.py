@@ -6,6 +6,17 @@ from __future__ import annotations
 class KVRelayError(Exception):
     """Base class of every kvrelay error."""
 
+    def __reduce__(self):
+        # Pickle (Ray, multiprocessing) rebuilds the error whole, whatever the subclass's __init__ takes.
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> KVRelayError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class InvalidInput(KVRelayError, ValueError):
     """An argument a user gave is wrong: what was wrong, what was expected, and a close valid value if any.
