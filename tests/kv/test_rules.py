@@ -116,3 +116,19 @@ def test_layer_types_compare_the_held_layers_only():
     with pytest.raises(IncompatiblePayload) as e:
         check_meta(replace(m, layer_types=(SLIDING, FULL)), wide)
     assert e.value.field == "layer_types" and e.value.expected == (SLIDING, SLIDING)
+
+
+def test_a_deeper_models_layer_just_past_the_end_is_refused_by_name():
+    deeper = meta(num_model_layers=4, layer_indices=(0, 3), layer_types=(SLIDING, FULL))  # index 3 == IDENT's depth
+    assert field_of(deeper) == "num_model_layers"
+
+
+def test_an_engine_mode_is_its_own_compatibility_field():
+    from kvrelay.core.errors import EngineMismatch
+
+    other = meta(engine="int8")
+    with pytest.raises(EngineMismatch) as e:
+        check_meta(other, IDENT)
+    assert (e.value.field, e.value.expected, e.value.got) == ("engine", "fp32", "int8")
+    assert isinstance(e.value, IncompatiblePayload)
+    check_meta(meta(engine="int8"), replace(IDENT, engine="int8"))

@@ -1,5 +1,6 @@
 """Agents as Ray actors on a real local Ray cluster: payloads through the object store (zero-copy,
-bf16 included) and a 3-agent chain with the same outputs as in-process."""
+bf16 included); chains in both layouts on qwen2 and gemma3, and a fan-in hierarchy, with the same
+outputs as in-process; a payload from another model refused inside the receiving actor."""
 
 from __future__ import annotations
 
@@ -91,3 +92,68 @@ def test_bench_pipeline_on_ray_backend_matches_in_process(ray_cluster, tiny_by_a
     assert res["outputs_identical"] is True
     assert [a["kv_output"] for a in res["per_agent"]] == [a["kv_output"] for a in local["per_agent"]]
     assert [a["kv_relayed_tokens"] for a in res["per_agent"]] == [a["kv_relayed_tokens"] for a in local["per_agent"]]
+
+
+# -- through actors: replace layout, gemma3, fan-in, and a payload from another model -------------------
+def _specs(names):
+    return [AgentSpec(n, f"check the {n}", WORDS, max_new_tokens=5, min_new_tokens=3) for n in names]
+
+
+def _same_trace(got, want) -> None:
+    assert got.outputs() == want.outputs()
+    assert [a.channel for a in got.agents] == [a.channel for a in want.agents]
+    assert [a.relayed_tokens for a in got.agents] == [a.relayed_tokens for a in want.agents]
+    assert [a.relay_bytes for a in got.agents] == [a.relay_bytes for a in want.agents]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_actors_match_in_process_in_both_layouts(ray_cluster, tiny_by_arch, arch):
+    """One set of actors runs the chain continue and replace; gemma3's sliding layers cross the object store."""
+    wf = chain("chain3", _specs(("read", "check", "fix")))
+    with RayWorkflowRunner(ModelSpec.tiny(arch), wf) as runner:
+        for layout in ("continue", "replace"):
+            w = wf.with_layout(layout)
+            got = run_workflow(runner, w, CONTEXT, mode="kv")
+            want = run_workflow(tiny_by_arch[arch], w, CONTEXT, mode="kv")
+            assert got.layout == want.layout == layout
+            _same_trace(got, want)
+            assert [a.relayed_tokens > 0 for a in got.agents] == [False, True, True]
+            assert all(a.relay_transfer_s > 0 for a in got.agents[1:])  # it really went through the object store
+
+
+def test_fan_in_hierarchy_through_actors_matches_in_process(ray_cluster, tiny_by_arch):
+    from kvrelay.workflows.spec import hierarchy
+
+    plan, w1, w2, agg = _specs(("plan", "w1", "w2", "agg"))
+    wf = hierarchy("tree", plan, [w1, w2], agg)
+    want = run_workflow(tiny_by_arch["qwen2"], wf, CONTEXT, mode="kv")
+    with RayWorkflowRunner(ModelSpec.tiny("qwen2"), wf) as runner:
+        got = runner.run(CONTEXT, mode="kv")
+    _same_trace(got, want)
+    assert [a.channel for a in got.agents] == ["root", "kv", "kv", "kv+text"]  # the aggregator reads both workers
+    assert got.agents[-1].relayed_tokens > 0
+
+
+def test_a_payload_from_another_model_is_refused_inside_the_actor(ray_cluster):
+    """Two actors on different weights: the receiving actor raises IncompatiblePayload naming the fingerprint."""
+    from kvrelay.core.errors import IncompatiblePayload
+    from kvrelay.workflows.ray_executor import agent_actor_class
+
+    cls = agent_actor_class(num_cpus=0)
+    sender = cls.remote(ModelSpec.tiny("qwen2", seed=0), "read", "read the report", 4, 1)
+    receiver = cls.remote(ModelSpec.tiny("qwen2", seed=1), "fix", "fix the code", 4, 1)
+    try:
+        fps = ray.get([sender.fingerprint.remote(), receiver.fingerprint.remote()])
+        assert fps[0] != fps[1]
+        base = ray.get(sender.context_ids.remote(CONTEXT))
+        out = ray.get(sender.turn.remote(WORDS, base, None, layout="continue", max_new_tokens=3, min_new_tokens=1,
+                                         want_payload=True))
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(receiver.turn.remote(WORDS, list(out.ids), out.payload, layout="continue", max_new_tokens=3,
+                                         min_new_tokens=1, want_payload=False))
+        cause = e.value.cause  # the typed error raised in the actor, carried back whole
+        assert isinstance(cause, IncompatiblePayload)
+        assert (cause.field, cause.expected, cause.got) == ("model_fingerprint", fps[1], fps[0])
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
