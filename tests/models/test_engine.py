@@ -156,3 +156,14 @@ def test_auto_uses_the_cached_pick(tiny, tmp_path, monkeypatch):
 def test_unknown_engine_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="engine must be one of"):
         with_engine(tiny, "int3")
+
+
+def test_padded_batch_decodes_each_row_as_alone_in_int8(tiny):
+    """Batched one-token steps (B, 1, in) take the compact kernel too; padding changes no row."""
+    lm = with_engine(tiny, "int8")
+    sender, receiver = Agent(lm, "sender"), Agent(lm, "receiver", max_new_tokens=6)
+    payloads = [sender.prefill(random_ids(n, 20 + n)) for n in (4, 13)]
+    prompts = ["what is the code", "which vault is blue and what is the key"]
+    batched = receiver.respond_batch(prompts, payloads)
+    for p, prompt, got in zip(payloads, prompts, batched, strict=True):
+        assert got.token_ids == receiver.respond(prompt, p, max_new_tokens=6).token_ids
