@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 
+import pytest
 from typer.testing import CliRunner
 
 from kvrelay.cli import app
@@ -27,3 +29,16 @@ def test_json_command_is_the_full_argv_and_global_flags_go_anywhere(tmp_path):
     res = CliRunner().invoke(app, argv)
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["command"] == shlex.join(["kvrelay", *argv])
+
+
+@pytest.mark.integration
+def test_quiet_silences_weight_loading_in_the_kvrelay_script(tmp_path):
+    from tests.cli.test_cli_mistakes import kvrelay_argv
+
+    loud = subprocess.run([*kvrelay_argv(), "models", "info", "smollm2-135m"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+    quiet = subprocess.run([*kvrelay_argv(), "--quiet", "models", "info", "smollm2-135m"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=600)
+    assert loud.returncode == 0 and quiet.returncode == 0
+    assert "Loading weights" in loud.stderr  # transformers' progress bar, on by default
+    assert quiet.stderr == "" and "fingerprint" in quiet.stdout

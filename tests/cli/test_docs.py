@@ -106,3 +106,10 @@ def test_api_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S).group(1)
     exec(compile(code, "docs/api.md", "exec"), {})  # its asserts: kv == text, workflow outputs equal
     assert "'reader':" in capsys.readouterr().out  # it printed the answers by agent
+
+
+def test_every_kr_name_in_the_api_page_exists():
+    import kvrelay as kr
+
+    names = set(re.findall(r"`kr\.([A-Za-z_]+)", (ROOT / "docs" / "api.md").read_text()))
+    assert names and names <= set(kr.__all__), sorted(names - set(kr.__all__))
