@@ -119,8 +119,12 @@ def _mutation_of(funcs: dict[str, str], mutant: str, source: Path) -> tuple[int,
     diff = [d for d in difflib.ndiff(orig, mut) if d[:1] in "-+"]
     old = next((d[2:] for d in diff if d.startswith("- ")), "")
     new = next((d[2:] for d in diff if d.startswith("+ ")), "")
-    lines = source.read_text().splitlines()
-    line = next((i + 1 for i, x in enumerate(lines) if x.strip() == old.strip() and old.strip()), 0)
+    text = source.read_text()
+    lines = text.splitlines()
+    fn = short.rsplit("__mutmut_", 1)[0].removeprefix("x_")
+    span = next(((n.lineno, n.end_lineno) for n in ast.parse(text).body
+                 if isinstance(n, ast.FunctionDef) and n.name == fn), (1, len(lines)))
+    line = next((i + 1 for i in range(span[0] - 1, span[1]) if lines[i].strip() == old.strip() and old.strip()), 0)
     return line, f"{old.strip()}  ->  {new.strip()}"
 
 

@@ -41,6 +41,27 @@ def test_a_compatible_payload_is_used_as_is():
     assert adapt_if_needed(p, IDENT, IdentityAdapter(source=OTHER.fingerprint, target=IDENT.fingerprint)) is p
 
 
+def test_a_partial_own_payload_is_not_used_as_is():
+    part = select_layers(payload(), [0])
+    with pytest.raises(IncompatiblePayload, match="a receiver needs every layer") as e:
+        adapt_if_needed(part, IDENT, None)
+    assert e.value.field == "layer_indices"
+
+
+def test_every_layer_must_have_the_receivers_geometry():
+    p = payload()
+    odd = KVPayload((p.keys[0], torch.zeros(1, 1, 5, 4)), (p.values[0], torch.zeros(1, 1, 5, 4)), p.token_ids,
+                    p.positions, p.mask, p.meta)  # layer 1 has one KV head, layer 0 the right two
+    with pytest.raises(IncompatiblePayload) as e:
+        check_geometry(odd, IDENT)
+    assert (e.value.field, e.value.expected, e.value.got) == ("kv_shape", (2, 4), (1, 4))
+    odd = KVPayload((p.keys[0], torch.zeros(1, 2, 5, 8)), (p.values[0], torch.zeros(1, 2, 5, 8)), p.token_ids,
+                    p.positions, p.mask, p.meta)  # layer 1 has head_dim 8
+    with pytest.raises(IncompatiblePayload) as e:
+        check_geometry(odd, IDENT)
+    assert e.value.got == (2, 8)
+
+
 def test_another_models_payload_needs_an_adapter():
     p = payload(OTHER)
     with pytest.raises(IncompatiblePayload) as e:

@@ -46,9 +46,11 @@ def adapt_if_needed(p: KVPayload, ident: ModelIdentity, adapter: Adapter | None)
 def check_geometry(p: KVPayload, ident: ModelIdentity) -> None:
     if p.meta.codec != "raw":
         raise IncompatiblePayload("codec", "raw", p.meta.codec, "decode the payload with its codec first")
-    if p.keys[0].shape[1] != ident.num_kv_heads or p.keys[0].shape[3] != ident.head_dim:
-        raise IncompatiblePayload("kv_shape", (ident.num_kv_heads, ident.head_dim),
-                                  (p.keys[0].shape[1], p.keys[0].shape[3]))
+    want = (ident.num_kv_heads, ident.head_dim)
+    for k in p.keys:  # every layer: a crafted payload may be consistent per layer but not across layers
+        got = (k.shape[1], k.shape[3])  # (B, H_kv, T_l, D)
+        if got != want:
+            raise IncompatiblePayload("kv_shape", want, got)
 
 
 @dataclass
