@@ -3,6 +3,7 @@
     python -m tests.mutation                 # every module (what ``make mutation`` runs, niced)
     python -m tests.mutation kv.wire kv.compat
     python -m tests.mutation --recheck kv.wire   # only the last run's survivors, against the current tests
+    python -m tests.mutation --report            # rebuild docs/mutation.json from the runs in out/mutation
 
 Each module runs in its own copy of the repository under ``out/mutation/<module>`` (mutmut rewrites
 the copy, never the work tree), with one torch thread so forked test workers are safe. Results
@@ -144,10 +145,13 @@ def _reopen_survivors(work: Path, mod: Module) -> list[str]:
     return again
 
 
-def run_module(name: str, workers: int, recheck: bool = False) -> tuple[dict, list[dict]]:
+def run_module(name: str, workers: int, recheck: bool = False, report_only: bool = False) -> tuple[dict, list[dict]]:
     mod = MODULES[name]
     work = OUT / name
-    if recheck and (work / "mutants").is_dir():
+    if report_only:
+        if not (work / "mutants").is_dir():
+            raise RuntimeError(f"[{name}] no run in {work} to report on")
+    elif recheck and (work / "mutants").is_dir():
         names = _reopen_survivors(work, mod)
         print(f"[{name}] re-testing {len(names)} surviving mutants against the current tests", flush=True)
         if names:
@@ -207,7 +211,8 @@ def write_page(report: dict) -> None:
 
 def main(argv: list[str]) -> int:
     recheck = "--recheck" in argv  # re-test only the survivors of the last run (after adding tests)
-    names = [a for a in argv if a != "--recheck"] or list(MODULES)
+    report_only = "--report" in argv  # rebuild docs/mutation.json from the runs in out/mutation, run nothing
+    names = [a for a in argv if a not in ("--recheck", "--report")] or list(MODULES)
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         print(f"unknown modules {unknown}; expected some of {list(MODULES)}", file=sys.stderr)
@@ -215,7 +220,7 @@ def main(argv: list[str]) -> int:
     workers = int(os.environ.get("MUTATION_WORKERS", "2"))
     report = json.loads(REPORT.read_text()) if REPORT.exists() else {"modules": {}, "survivors": []}
     for name in names:
-        counts, survivors = run_module(name, workers, recheck)
+        counts, survivors = run_module(name, workers, recheck, report_only)
         if REPORT.exists():  # another run may have written meanwhile: merge into what is on disk
             report = json.loads(REPORT.read_text())
         report["modules"][name] = counts

@@ -136,3 +136,41 @@ def test_match_rules():
     short_query = q[:18]
     assert match(short_query, [[], [cut]]) == [(cut, 18)]
     assert match(q, [[], []]) == [] and match(q, []) == []
+
+
+def test_every_function_honours_a_custom_block_size():
+    ids = list(range(100, 120))  # 2 blocks of 8 + 4
+    h = chain(FP, ids, 8)
+    tail = hashlib.sha256(h[2] + np.asarray(ids[16:], dtype="<i8").tobytes()).hexdigest()
+    assert sequence_hash(FP, ids, 8) == tail and sequence_hash(FP, ids[:16], 8) == h[2].hex()
+    assert key_for(FP, ids, 8) == f"kvrelay/1:{FP[:16]}:{tail}" != key_for(FP, ids)
+    assert payload_key(payload(20), 8) == key_for(FP, ids, 8)
+    assert query_boundaries(FP, ids, 8) == [x.hex() for x in h]
+    entries = prefix_entries("K", payload(20), 8)
+    assert [b for b, _ in entries] == [x.hex() for x in h] and all(e.full_hash == tail for _, e in entries)
+    (b, e), = prefix_entries("K", payload(20, sliding=True), 8)
+    assert (b, e) == (h[2].hex(), PrefixEntry("K", 16, tuple(ids[16:]), False, tail))
+
+
+def test_sliding_entry_exactly():
+    for T, start in ((17, 16), (16, 0), (33, 32), (40, 32)):
+        ids = list(range(100, 100 + T))
+        (b, e), = prefix_entries("K", payload(T, sliding=True))
+        assert b == block_hashes(FP, ids)[start // 16]
+        assert e == PrefixEntry("K", start, tuple(ids[start:]), False, sequence_hash(FP, ids))
+
+
+def test_key_digits_and_padding_message():
+    with pytest.raises(ValueError, match="not a payload key"):
+        parse_key(f"kvrelay/1:{'X' * 16}:{'a' * 64}")
+    with pytest.raises(ValueError, match=r"\(batch 1, 3 padding slots\)"):
+        payload_key(payload(20, pad=3))
+
+
+def test_match_skips_foreign_entries_and_counts_single_tokens():
+    q = list(range(100, 140))
+    wrong_start = PrefixEntry("D", 0, tuple(q[16:32]), True, "d")  # filed under boundary 1 but says start 0
+    cut = PrefixEntry("A", 16, tuple(q[16:32]), True, "a")
+    assert match(q, [[], [wrong_start, cut]]) == [(cut, 32)]  # a stray entry does not hide the next one
+    one = PrefixEntry("O", 0, (q[0], 7, 7), True, "o")
+    assert match(q, [[one]]) == [(one, 1)]  # a single shared token is a (short) hit
