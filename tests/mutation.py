@@ -167,6 +167,8 @@ def run_module(name: str, workers: int, recheck: bool = False, report_only: bool
             status[m.group(1)] = m.group(2).strip()
     if not status:
         raise RuntimeError(f"[{name}] mutmut produced no results; see {work}")
+    unchecked = sum(s == "not checked" for s in status.values())  # a run stopped early: not counted
+    status = {k: s for k, s in status.items() if s != "not checked"}
     killed = sum(s in KILLED for s in status.values())
     survivors = []
     funcs = _functions(work / "mutants" / "src" / mod.source)
@@ -174,8 +176,9 @@ def run_module(name: str, workers: int, recheck: bool = False, report_only: bool
         if s not in KILLED:
             line, mutation = _mutation_of(funcs, mutant, ROOT / "src" / mod.source)
             survivors.append({"module": name, "line": line, "mutation": mutation, "status": s})
-    print(f"[{name}] killed {killed}/{len(status)}", flush=True)
-    return {"killed": killed, "total": len(status)}, survivors
+    print(f"[{name}] killed {killed}/{len(status)}" + (f" ({unchecked} not run)" if unchecked else ""), flush=True)
+    counts = {"killed": killed, "total": len(status)}
+    return (counts | {"not_run": unchecked}) if unchecked else counts, survivors
 
 
 def _explain(survivors: list[dict]) -> list[str]:
@@ -195,7 +198,8 @@ def _norm(mutation: str) -> str:
 
 
 def write_page(report: dict) -> None:
-    rows = [f"| `{n}` | {m['killed']} | {m['total']} | {100 * m['killed'] / m['total']:.1f}% |"
+    rows = [f"| `{n}` | {m['killed']} | {m['total']} | {100 * m['killed'] / max(m['total'], 1):.1f}% |"
+            + (f" {m['not_run']} mutants not run (the run was stopped) |" if m.get("not_run") else "")
             for n, m in sorted(report["modules"].items())]
     k = sum(m["killed"] for m in report["modules"].values())
     t = sum(m["total"] for m in report["modules"].values())

@@ -415,3 +415,33 @@ def test_summary_does_not_call_a_minus_ten_point_pairing_effect_equivalent():
     assert eq["estimate"] == pytest.approx(-10.0)
     assert eq["equivalent"] is False and eq["p_tost"] > 0.05
     assert "not equivalent to 0 at ±2.8" in s["verdict"] and "disagrees with the paper" in s["verdict"]
+
+
+# ---------------------------------------------------------------- paired_test and McNemar inputs
+def test_mcnemar_refuses_what_is_not_a_count():
+    for b, c, who, got in ((-1, 2, "b", "-1"), (2, 1.5, "c", "1.5"), (True, 2, "b", "True"), (3, -2, "c", "-2")):
+        with pytest.raises(ValueError, match=rf"^{who} must be a non-negative integer count, got {got}$"):
+            mcnemar_exact(b, c)
+    assert mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(2.0, 0) == pytest.approx(0.5)
+
+
+def test_paired_test_picks_its_test_and_validates():
+    a, b = [1, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0]
+    assert paired_test(a, b, binary=True) == (mcnemar_exact(3, 0), "mcnemar_exact")
+    p, name = paired_test(a, b)  # not declared binary: the signed-rank test
+    assert name == "wilcoxon" and p == wilcoxon_p(np.subtract(a, b))
+    x, y = np.array([[3.0, 1.0], [4.0, 1.5]]), np.array([[1.0, 2.0], [0.5, 0.25]])  # 2-D: flattened
+    assert paired_test(x, y) == (wilcoxon_p((x - y).reshape(-1)), "wilcoxon")
+    assert paired_test([5.0, 1.0, 2.0, 7.0], [1.0, 3.0, 1.0, 1.0])[0] == wilcoxon_p([4.0, -2.0, 1.0, 6.0])
+    clustered = paired_test([1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 5.0], clusters=["t1", "t1", "t2", "t2"])
+    assert clustered == (wilcoxon_p([1.5, 1.0]), "wilcoxon_cluster_means")
+    assert paired_test([1.0], [0.0]) == (None, "wilcoxon")  # one cluster: no p-value
+    with pytest.raises(ValueError, match=r"^a and b must be non-empty and of equal length, got 2 and 3$"):
+        paired_test([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"^a and b must be non-empty and of equal length, got 0 and 0$"):
+        paired_test([], [])
+    for bad in (([1.0, np.nan], [1.0, 2.0]), ([1.0, 2.0], [np.inf, 2.0])):
+        with pytest.raises(ValueError, match=r"^a and b must be finite$"):
+            paired_test(*bad)
+    with pytest.raises(ValueError, match="binary=True but the outcomes take 3 distinct values"):
+        paired_test([0, 1, 2], [0, 0, 0], binary=True)
