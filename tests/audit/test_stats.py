@@ -445,3 +445,30 @@ def test_paired_test_picks_its_test_and_validates():
             paired_test(*bad)
     with pytest.raises(ValueError, match="binary=True but the outcomes take 3 distinct values"):
         paired_test([0, 1, 2], [0, 0, 0], binary=True)
+
+
+def test_tost_defaults_bounds_and_degenerate_result():
+    from kvrelay.audit.hypothesis import TOSTResult
+
+    d = np.array([-0.5, 0.2, 0.3, 0.6, 0.9])
+    assert tost_paired(d) == tost_paired(d, margin=2.8, alpha=0.05) and tost_paired(d).margin == 2.8
+    assert tost_paired(d, margin=0.5).margin == 0.5 and tost_paired(d, margin=5.0).margin == 5.0
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match=rf"^margin must be positive, got {bad}$"):
+            tost_paired(d, margin=bad)
+    for bad in (0, 0.5, 0.7):
+        with pytest.raises(ValueError, match=rf"^alpha must be in \(0, 0.5\), got {bad}$"):
+            tost_paired(d, alpha=bad)
+    assert tost_paired(d, alpha=0.49).ci_high < tost_paired(d, alpha=0.05).ci_high
+    assert tost_paired(np.ones(6)) == TOSTResult(1.0, 0.0, 5, 1.0, 1.0, 2.8, 0.0, 0.0, 0.0)
+    at_lower, at_upper = tost_paired(np.full(6, -2.5), margin=2.5), tost_paired(np.full(6, 2.5), margin=2.5)
+    assert (at_lower.p_lower, at_lower.p_upper, at_lower.p_tost) == (1.0, 0.0, 1.0)
+    assert (at_upper.p_lower, at_upper.p_upper, at_upper.p_tost) == (0.0, 1.0, 1.0)
+
+
+def test_tost_uses_the_cluster_robust_se():
+    d = np.array([1.0, 1.2, -0.4, -0.2, 0.5, 0.7])
+    clusters = ["a", "a", "b", "b", "c", "c"]
+    r = tost_paired(d, clusters, margin=2.8)
+    mean, se, df = cluster_mean_se(d, clusters)
+    assert (r.estimate, r.se, r.df) == (mean, se, 2) and r.se != tost_paired(d, margin=2.8).se
