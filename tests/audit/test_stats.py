@@ -472,3 +472,37 @@ def test_tost_uses_the_cluster_robust_se():
     r = tost_paired(d, clusters, margin=2.8)
     mean, se, df = cluster_mean_se(d, clusters)
     assert (r.estimate, r.se, r.df) == (mean, se, 2) and r.se != tost_paired(d, margin=2.8).se
+
+
+def test_wilcoxon_paths_and_boundaries_match_scipy():
+    rng = np.random.default_rng(11)
+    for n, method in ((13, "exact"), (50, "exact"), (51, "approx")):
+        d = rng.normal(0.3, 1.0, n)  # untied
+        assert wilcoxon_p(d) == pytest.approx(stats.wilcoxon(d, method=method).pvalue, rel=1e-9), n
+    tied = rng.integers(-2, 5, 40).astype(float)
+    tied = tied[tied != 0]  # > 13 non-zero differences, many tied: the normal approximation with tie correction
+    assert tied.size > 13
+    assert wilcoxon_p(tied) == pytest.approx(stats.wilcoxon(tied, method="approx").pvalue, rel=1e-9)
+    assert wilcoxon_p([[1.0, 2.0], [3.0, -1.5]]) == wilcoxon_p([1.0, 2.0, 3.0, -1.5])  # any shape: flattened
+    assert wilcoxon_p([0.0, 0.0]) == 1.0 and wilcoxon_p([]) == 1.0
+
+
+def test_holm_and_bh_refuse_p_values_outside_0_1():
+    assert holm([0.0, 1.0]) == [0.0, 1.0] and benjamini_hochberg([0.0, 1.0]) == [0.0, 1.0]
+    for bad in ([0.5, 1.2], [-0.1], [1.5], [float("nan")]):
+        for fn in (holm, benjamini_hochberg):
+            with pytest.raises(ValueError, match=r"^p-values must lie in \[0, 1\] \(use None for a missing p-value, "
+                                                 r"not NaN\)$"):
+                fn(bad)
+
+
+def test_cluster_mean_se_edges():
+    assert cluster_mean_se([1.0, 3.0]) == (2.0, pytest.approx(1.0), 1)  # two clusters: the smallest allowed
+    assert cluster_mean_se([[1.0, 3.0], [5.0, 7.0]])[0] == 4.0  # any shape: flattened
+    for bad in ([], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match=r"^diffs must be non-empty and finite$"):
+            cluster_mean_se(bad)
+    with pytest.raises(ValueError, match=r"^need at least two clusters \(tasks\) for a standard error$"):
+        cluster_mean_se([1.0])
+    with pytest.raises(ValueError, match=r"^need at least two clusters"):
+        cluster_mean_se([1.0, 2.0], ["t", "t"])
