@@ -506,3 +506,31 @@ def test_cluster_mean_se_edges():
         cluster_mean_se([1.0])
     with pytest.raises(ValueError, match=r"^need at least two clusters"):
         cluster_mean_se([1.0, 2.0], ["t", "t"])
+
+
+def test_bca_inputs_fields_and_clusters():
+    from kvrelay.audit.bootstrap import cluster_codes
+
+    for bad, msg in (([], r"^values is empty: need at least one value$"),
+                     ([1.0, float("inf")], r"^values contains NaN or infinite entries$")):
+        with pytest.raises(ValueError, match=msg):
+            bca_ci(bad)
+    for c in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=rf"^confidence must be in \(0, 1\), got {c}$"):
+            bca_ci([1.0, 2.0, 4.0], confidence=c)
+    with pytest.raises(ValueError, match=r"^n_boot must be at least 100 for a BCa interval, got 99$"):
+        bca_ci([1.0, 2.0, 4.0], n_boot=99)
+    assert bca_ci([1.0, 2.0, 4.0], n_boot=100).method in ("bca", "percentile")
+    with pytest.raises(ValueError, match=r"^clusters must have one label per value: got \(1,\) labels for \(2,\) values$"):
+        bca_ci([1.0, 2.0], clusters=["a"])
+    assert cluster_codes(np.zeros(3), ["b", "a", "b"]).tolist() == [1, 0, 1]
+    assert cluster_codes(np.zeros(3), None).tolist() == [0, 1, 2]
+    x = np.array([1.0, 2.0, 0.5, 4.0, 3.0, 9.0])
+    ci = bca_ci(x, ["a", "a", "b", "b", "c", "c"], confidence=0.9, n_boot=400, seed=3)
+    assert (ci.estimate, ci.confidence, ci.n, ci.n_clusters) == (pytest.approx(19.5 / 6), 0.9, 6, 3)
+    assert ci.low < ci.estimate < ci.high and ci == bca_ci(x, ["a", "a", "b", "b", "c", "c"], confidence=0.9,
+                                                             n_boot=400, seed=3)
+    assert bca_ci(x, n_boot=400, seed=4) != bca_ci(x, n_boot=400, seed=5)
+    assert bca_ci([1.0, 3.0], n_boot=200).n_clusters == 2  # two clusters are enough for an interval
+    flat = bca_ci([2.0, 2.0, 2.0, 2.0], ["a", "a", "b", "b"])
+    assert (flat.method, flat.low, flat.high, flat.n, flat.n_clusters) == ("degenerate", 2.0, 2.0, 4, 2)
