@@ -129,6 +129,21 @@ def _mutation_of(funcs: dict[str, str], mutant: str, source: Path) -> tuple[int,
     return line, f"{old.strip()}  ->  {new.strip()}"
 
 
+def _statuses(work: Path, mod: Module) -> dict[str, str]:
+    """Verdict of every mutant in scope, from mutmut's own record; a survivor re-opened by a recheck that
+    was stopped before testing it again keeps its earlier verdict."""
+    from mutmut.stats import status_by_exit_code
+
+    codes = json.loads((work / "mutants" / "src" / (mod.source + ".meta")).read_text())["exit_code_by_key"]
+    reopened_file = work / "reopened.json"
+    reopened = set(json.loads(reopened_file.read_text())) if reopened_file.exists() else set()
+    out = {}
+    for k, v in codes.items():
+        if any(fnmatch.fnmatch(k, p) for p in mod.patterns()):
+            out[k] = "survived (not re-tested)" if v is None and k in reopened else status_by_exit_code[v]
+    return out
+
+
 def _reopen_survivors(work: Path, mod: Module) -> list[str]:
     """Forget the verdicts of the surviving mutants of a finished run (so they are tested again) and
     bring in the current tests; returns their names. The source is unchanged, so the rest stand."""
@@ -140,6 +155,7 @@ def _reopen_survivors(work: Path, mod: Module) -> list[str]:
     for k in again:
         codes[k] = None
     meta.write_text(json.dumps(d))
+    (work / "reopened.json").write_text(json.dumps(again))  # a stopped recheck still knows they survived before
     shutil.rmtree(work / "tests")
     shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     return again
@@ -160,11 +176,7 @@ def run_module(name: str, workers: int, recheck: bool = False, report_only: bool
         work = _prepare(name, mod)
         print(f"[{name}] mutating src/{mod.source} against {' '.join(mod.tests)}", flush=True)
         _mutmut(work, "run", "--max-children", str(workers), *mod.patterns())
-    status = {}
-    for row in _mutmut(work, "results", "--all", "true").splitlines():
-        m = re.match(r"\s*(\S+): (.+)$", row)
-        if m and "__mutmut_" in m.group(1) and any(fnmatch.fnmatch(m.group(1), p) for p in mod.patterns()):
-            status[m.group(1)] = m.group(2).strip()
+    status = _statuses(work, mod)
     if not status:
         raise RuntimeError(f"[{name}] mutmut produced no results; see {work}")
     unchecked = sum(s == "not checked" for s in status.values())  # a run stopped early: not counted
