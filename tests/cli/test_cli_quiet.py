@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 
@@ -35,10 +36,13 @@ def test_json_command_is_the_full_argv_and_global_flags_go_anywhere(tmp_path):
 def test_quiet_silences_weight_loading_in_the_kvrelay_script(tmp_path):
     from tests.cli.test_cli_mistakes import kvrelay_argv
 
+    from kvrelay.cli.common import QUIET_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}  # an in-process --quiet earlier set them
     loud = subprocess.run([*kvrelay_argv(), "models", "info", "smollm2-135m"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=600)
+                          cwd=tmp_path, timeout=600, env=env)
     quiet = subprocess.run([*kvrelay_argv(), "--quiet", "models", "info", "smollm2-135m"], capture_output=True,
-                           text=True, cwd=tmp_path, timeout=600)
+                           text=True, cwd=tmp_path, timeout=600, env=env)
     assert loud.returncode == 0 and quiet.returncode == 0
     assert "Loading weights" in loud.stderr  # transformers' progress bar, on by default
     assert quiet.stderr == "" and "fingerprint" in quiet.stdout

@@ -27,6 +27,8 @@ from pathlib import Path
 from rich.console import Console
 
 GLOBAL_FLAGS = ("--debug", "--quiet")
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}  # what --quiet sets (child processes inherit it)
 DEFAULT_ENGINE = "fp32"
 ENGINE_HELP = ("kernel mode: fp32 | bf16 | fp16 | int8 | int4 (fp32 prefill, compact weights for one-token "
                "decode steps) | auto (the fastest of fp32/bf16/int8 measured once on this machine, cached "
@@ -71,10 +73,7 @@ def command_line() -> str:
 
 def quiet_libraries() -> None:
     """No progress bars or info logs from tqdm, transformers, huggingface_hub (also in child processes)."""
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    os.environ.update(QUIET_ENV)
     if "transformers" in sys.modules:  # already imported (in-process callers, tests): switch it off now
         from transformers.utils import logging as hf_logging
 
