@@ -34,9 +34,8 @@ def test_json_command_is_the_full_argv_and_global_flags_go_anywhere(tmp_path):
 
 @pytest.mark.integration
 def test_quiet_silences_weight_loading_in_the_kvrelay_script(tmp_path):
-    from tests.cli.test_cli_mistakes import kvrelay_argv
-
     from kvrelay.cli.common import QUIET_ENV
+    from tests.cli.test_cli_mistakes import kvrelay_argv
 
     env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}  # an in-process --quiet earlier set them
     loud = subprocess.run([*kvrelay_argv(), "models", "info", "smollm2-135m"], capture_output=True, text=True,
