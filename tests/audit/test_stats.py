@@ -534,3 +534,25 @@ def test_bca_inputs_fields_and_clusters():
     assert bca_ci([1.0, 3.0], n_boot=200).n_clusters == 2  # two clusters are enough for an interval
     flat = bca_ci([2.0, 2.0, 2.0, 2.0], ["a", "a", "b", "b"])
     assert (flat.method, flat.low, flat.high, flat.n, flat.n_clusters) == ("degenerate", 2.0, 2.0, 4, 2)
+
+
+def test_paired_test_refuses_a_missing_outcome_with_a_value_error():
+    # None (a trial with no score) must be a ValueError naming the problem, not a TypeError from numpy
+    for bad in (([1.0, None, 0.0], [0.0, 1.0, 1.0]), ([1.0, 0.0, 1.0], [0.0, None, 1.0])):
+        with pytest.raises(ValueError, match=r"^a and b must be finite$"):
+            paired_test(*bad)
+    with pytest.raises(ValueError, match=r"^diffs must be non-empty and finite$"):
+        cluster_mean_se([1.0, None, 2.0])
+
+
+def test_paired_test_names_mcnemar_even_without_a_p_value():
+    assert paired_test([1], [0], binary=True) == (None, "mcnemar_exact")  # one pair: no p, but the test it would run
+
+
+def test_paired_test_cluster_means_with_unequal_sizes_and_mixed_signs():
+    # cluster means 1 (3 pairs), -2 (1), 3 (1), -1.5 (2): the signed-rank test runs on those means
+    a = [1.0, 2.0, 0.0, 0.0, 3.0, 0.0, 1.0]
+    b = [0.0, 1.0, -1.0, 2.0, 0.0, 1.0, 3.0]
+    clusters = ["a", "a", "a", "b", "c", "d", "d"]
+    p, name = paired_test(a, b, clusters=clusters)
+    assert name == "wilcoxon_cluster_means" and p == wilcoxon_p([1.0, -2.0, 3.0, -1.5])

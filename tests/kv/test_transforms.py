@@ -91,7 +91,7 @@ def test_select_tokens_refuses_what_a_sliding_layer_never_cached():
     assert slots(select_tokens(p, [0, 7, 8, 9]).keys[1]) == [7, 8, 9]
 
 
-@pytest.mark.parametrize("index", [[], [[0, 1]], [2, 1], [1, 1], [-1, 3], [3, 10]])
+@pytest.mark.parametrize("index", [[], [[0, 1]], [2, 1], [1, 1], [-1, 3], [3, 10], [0, 5, 3]])
 def test_select_tokens_validates_the_index(index):
     with pytest.raises(ValueError, match="index must be"):
         select_tokens(make(10), index)
@@ -259,3 +259,26 @@ def test_with_noise_scales_with_sigma_and_spares_padding():
             valid = batch.mask[:, -real.shape[2]:][:, None, :, None]
             ratio = layer_rms(noisy - real, valid) / layer_rms(real, valid)
             assert ratio == pytest.approx(0.5, rel=0.3), j
+
+
+def test_layer_rms_of_one_entry_and_of_a_half_precision_cache():
+    one = torch.tensor([3.0, 4.0, 100.0]).reshape(1, 1, 3, 1)  # (1, 1, 3, 1)
+    assert layer_rms(one, torch.tensor([True, False, False]).reshape(1, 1, 3, 1)) == 3.0
+    half = torch.tensor([300.0, 400.0], dtype=torch.float16).reshape(1, 1, 2, 1)  # squares overflow float16
+    assert layer_rms(half, torch.ones(1, 1, 2, 1, dtype=torch.bool)) == pytest.approx(math.sqrt(125000.0))
+
+
+def test_moment_matched_random_reproduces_a_row_of_one_real_entry():
+    p = make(1, layers=(0,))
+    p = KVPayload((p.keys[0][:, :1, :, 1:2],), (p.values[0][:, :1, :, 1:2],), p.token_ids, p.positions, p.mask,
+                  p.meta)  # keys (1, 1, 1, 1) = 0.1: mean is the entry, std 0
+    r = moment_matched_random(p, torch.Generator().manual_seed(0))
+    assert float(p.keys[0]) != 0.0
+    assert torch.equal(r.keys[0], p.keys[0]) and torch.equal(r.values[0], p.values[0])
+
+
+def test_with_noise_is_reproducible_from_its_generator():
+    batch = pad_batch([make(3), make(6)])
+    n1 = with_noise(batch, 0.5, torch.Generator().manual_seed(7))
+    n2 = with_noise(batch, 0.5, torch.Generator().manual_seed(7))
+    assert all(torch.equal(a, b) for a, b in zip((*n1.keys, *n1.values), (*n2.keys, *n2.values), strict=True))
