@@ -110,78 +110,96 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
     return summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
 
 
+def _avoided(t: RunTrace, k: RunTrace, share: bool = False) -> float:
+    """Prefill seconds kv mode avoided in one repeat: per relayed agent, text prefill − kv prefill (or, with
+    ``share``, text prefill × the share of its prefilled tokens that arrived as a cache)."""
+    s = 0.0
+    for at, ak in zip(t.agents, k.agents, strict=True):
+        if ak.relayed_tokens:
+            s += at.prefill_s * ak.relayed_tokens / at.prefill_tokens if share else at.prefill_s - ak.prefill_s
+    return s
+
+
+def _agent_row(i: int, name: str, text_runs: list[RunTrace], kv_runs: list[RunTrace]) -> dict:
+    """Agent ``i``'s medians over repeats in both modes, what relay saved it, and whether its outputs agree."""
+    row: dict = {"agent": name, "channel": kv_runs[0].agents[i].channel}
+    for mode, rs in (("text", text_runs), ("kv", kv_runs)):
+        recs = [t.agents[i] for t in rs]
+        for f in COUNTS:
+            row[f"{mode}_{f}"] = int(_median([getattr(a, f) for a in recs]))
+        for f in TIMING:
+            row[f"{mode}_{f}"] = _median([getattr(a, f) for a in recs])
+    t0, k0 = text_runs[0].agents[i], kv_runs[0].agents[i]
+    row["avoided_prefill_s"] = (_median([t.agents[i].prefill_s - k.agents[i].prefill_s
+                                         for t, k in zip(text_runs, kv_runs, strict=True)])
+                                if k0.relayed_tokens else 0.0)
+    row["prefill_tokens_saved"] = t0.prefill_tokens - k0.prefill_tokens
+    row["identical"] = t0.token_ids == k0.token_ids
+    row["common_prefix_tokens"] = _common_prefix(t0.token_ids, k0.token_ids)
+    row["text_output"], row["kv_output"] = t0.text, k0.text
+    return row
+
+
+def _ratios(runs: dict[str, list[RunTrace]], order_log: list[dict]) -> dict:
+    """Medians, speedup, ideal speedup, and the same ratios paired within each repeat."""
+    text_runs, kv_runs = runs["text"], runs["kv"]
+    pairs = list(zip(text_runs, kv_runs, strict=True))  # text and kv of one repeat
+    avoided_each = [_avoided(t, k) for t, k in pairs]
+    avoided_s = _median(avoided_each)
+    ideal_paired = [t.wall_s / (t.wall_s - a) for (t, _), a in zip(pairs, avoided_each, strict=True)]
+    text_s = _median([t.wall_s for t in text_runs])
+    kv_s = _median([k.wall_s for k in kv_runs])
+    speedup, ideal = text_s / kv_s, text_s / (text_s - avoided_s)
+    per_repeat = [o["text_s"] / o["kv_s"] for o in order_log]
+    return {
+        "text_s": text_s, "kv_s": kv_s, "speedup": speedup, "ideal_speedup": ideal,
+        "speedup_vs_ideal": speedup / ideal,
+        "speedup_paired_median": _median(per_repeat),
+        "speedup_per_repeat": per_repeat,
+        "noise": above_ideal(speedup, ideal, per_repeat),
+        # per repeat (text and kv of one repeat ran back to back), then the median: robust to load drift
+        "ideal_speedup_paired_median": _median(ideal_paired),
+        "speedup_vs_ideal_paired_median": _median([(t.wall_s / k.wall_s) / i
+                                                   for (t, k), i in zip(pairs, ideal_paired, strict=True)]),
+        "ideal_speedup_token_share": text_s / (text_s - _median([_avoided(t, k, True) for t, k in pairs])),
+        "avoided_prefill_s": avoided_s,
+    }
+
+
+def _raw(runs: dict[str, list[RunTrace]]) -> dict:
+    return {mode: [[{"agent": a.name, "prefill_s": a.prefill_s, "decode_s": a.decode_s, "relay_s": a.relay_s,
+                     "wall_s": a.wall_s} for a in t.agents] for t in rs] for mode, rs in runs.items()}
+
+
 def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: list[dict], model: str) -> dict:
     wf = workload.workflow
     names = [a.name for a in wf.agents]
     text_runs, kv_runs = runs["text"], runs["kv"]
-    repeats = len(text_runs)
-
-    def avoided(t: RunTrace, k: RunTrace, share: bool = False) -> float:
-        s = 0.0
-        for at, ak in zip(t.agents, k.agents, strict=True):
-            if ak.relayed_tokens:
-                s += at.prefill_s * ak.relayed_tokens / at.prefill_tokens if share else at.prefill_s - ak.prefill_s
-        return s
-
-    pairs = list(zip(text_runs, kv_runs, strict=True))  # text and kv of one repeat
-    avoided_each = [avoided(t, k) for t, k in pairs]
-    avoided_s = _median(avoided_each)
-    ideal_paired = [t.wall_s / (t.wall_s - a) for (t, _), a in zip(pairs, avoided_each, strict=True)]
-    avoided_share_s = _median([avoided(t, k, True) for t, k in pairs])
-    text_s = _median([t.wall_s for t in text_runs])
-    kv_s = _median([k.wall_s for k in kv_runs])
-    identical_per_repeat = [t.outputs() == k.outputs() for t, k in pairs]
+    r = _ratios(runs, order_log)
+    identical_per_repeat = [t.outputs() == k.outputs() for t, k in zip(text_runs, kv_runs, strict=True)]
     deterministic = all(t.outputs() == text_runs[0].outputs() for t in text_runs) and all(
         k.outputs() == kv_runs[0].outputs() for k in kv_runs)
-
-    per_agent = []
-    for i, name in enumerate(names):
-        row: dict = {"agent": name, "channel": kv_runs[0].agents[i].channel}
-        for mode, rs in (("text", text_runs), ("kv", kv_runs)):
-            recs = [t.agents[i] for t in rs]
-            for f in COUNTS:
-                row[f"{mode}_{f}"] = int(_median([getattr(a, f) for a in recs]))
-            for f in TIMING:
-                row[f"{mode}_{f}"] = _median([getattr(a, f) for a in recs])
-        t0, k0 = text_runs[0].agents[i], kv_runs[0].agents[i]
-        row["avoided_prefill_s"] = (_median([t.agents[i].prefill_s - k.agents[i].prefill_s
-                                             for t, k in pairs])
-                                    if k0.relayed_tokens else 0.0)
-        row["prefill_tokens_saved"] = t0.prefill_tokens - k0.prefill_tokens
-        row["identical"] = t0.token_ids == k0.token_ids
-        row["common_prefix_tokens"] = _common_prefix(t0.token_ids, k0.token_ids)
-        row["text_output"], row["kv_output"] = t0.text, k0.text
-        per_agent.append(row)
-
+    per_agent = [_agent_row(i, name, text_runs, kv_runs) for i, name in enumerate(names)]
     last_text, last_kv = text_runs[0].agents[-1].text, kv_runs[0].agents[-1].text
     t_tot, k_tot = text_runs[0].totals(), kv_runs[0].totals()
-    differ = [r["agent"] for r in per_agent if not r["identical"]]
+    differ = [row["agent"] for row in per_agent if not row["identical"]]
     return {
         "workflow": wf.name,
         "agents": len(names),
-        "text_s": text_s,
-        "kv_s": kv_s,
-        "speedup": text_s / kv_s,
-        "ideal_speedup": text_s / (text_s - avoided_s),
+        "text_s": r["text_s"],
+        "kv_s": r["kv_s"],
+        "speedup": r["speedup"],
+        "ideal_speedup": r["ideal_speedup"],
         "outputs_identical": all(identical_per_repeat),
         "per_agent": per_agent,
         # -- beyond the contract ---------------------------------------------------------------
         "model": model,
         "layout": wf.layout,
         "context_tokens": text_runs[0].context_tokens,
-        "repeats": repeats,
+        "repeats": len(text_runs),
         "agent_names": names,
         "edges": [{"src": e.src, "dst": e.dst, "channel": e.channel} for e in wf.edges],
-        "speedup_vs_ideal": (text_s / kv_s) / (text_s / (text_s - avoided_s)),
-        "speedup_paired_median": _median([o["text_s"] / o["kv_s"] for o in order_log]),
-        "speedup_per_repeat": [o["text_s"] / o["kv_s"] for o in order_log],
-        "noise": above_ideal(text_s / kv_s, text_s / (text_s - avoided_s), [o["text_s"] / o["kv_s"] for o in order_log]),
-        # per repeat (text and kv of one repeat ran back to back), then the median: robust to load drift
-        "ideal_speedup_paired_median": _median(ideal_paired),
-        "speedup_vs_ideal_paired_median": _median([(t.wall_s / k.wall_s) / i for (t, k), i in zip(pairs, ideal_paired,
-                                                                                                 strict=True)]),
-        "ideal_speedup_token_share": text_s / (text_s - avoided_share_s),
-        "avoided_prefill_s": avoided_s,
+        **{k: v for k, v in r.items() if k not in ("text_s", "kv_s", "speedup", "ideal_speedup")},
         "min_decode_tokens": min(a.decode_tokens for t in (*text_runs, *kv_runs) for a in t.agents),
         "min_new_tokens": min(a.min_new_tokens for a in wf.agents),
         "max_new_tokens": max(a.max_new_tokens for a in wf.agents),
@@ -199,8 +217,7 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
                  "kv_exact_match": workload.fact_found(last_kv)},
         "source": workload.source,
         "runs": order_log,
-        "raw": {mode: [[{"agent": a.name, "prefill_s": a.prefill_s, "decode_s": a.decode_s, "relay_s": a.relay_s,
-                         "wall_s": a.wall_s} for a in t.agents] for t in rs] for mode, rs in runs.items()},
+        "raw": _raw(runs),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
