@@ -556,3 +556,85 @@ def test_paired_test_cluster_means_with_unequal_sizes_and_mixed_signs():
     clusters = ["a", "a", "a", "b", "c", "d", "d"]
     p, name = paired_test(a, b, clusters=clusters)
     assert name == "wilcoxon_cluster_means" and p == wilcoxon_p([1.0, -2.0, 3.0, -1.5])
+
+
+# ---------------------------------------------------------------- bca_ci: defaults, fields and the BCa map itself
+def test_bca_defaults_fields_and_input_checks():
+    x = np.random.default_rng(4).lognormal(size=30)
+    assert bca_ci(x) == bca_ci(x, n_boot=2000, seed=0)  # the documented defaults
+    assert bca_ci(x) != bca_ci(x, n_boot=2001, seed=0)
+    assert bca_ci(x.reshape(5, 6), n_boot=200) == bca_ci(x, n_boot=200)  # any shape: flattened
+    with pytest.raises(ValueError, match=r"^values contains NaN or infinite entries$"):
+        bca_ci([1.0, None, 2.0])  # a missing value is a ValueError, not a TypeError from numpy
+    one = bca_ci([1.0, 0.0, 1.0], clusters=["t", "t", "t"])
+    assert (one.estimate, one.confidence, one.n) == (pytest.approx(2 / 3), 0.95, 3)
+    same = bca_ci(np.full(4, 3.0), confidence=0.8)
+    assert (same.confidence, same.n, same.method) == (0.8, 4, "degenerate")
+
+
+def test_bca_cluster_means_without_spread_are_degenerate():
+    # the values differ, but every cluster has mean 2: every resample's mean is 2
+    ci = bca_ci([1.0, 3.0, 3.0, 1.0], ["a", "a", "b", "b"], n_boot=200)
+    assert (ci.method, ci.low, ci.high, ci.estimate) == ("degenerate", 2.0, 2.0, 2.0)
+
+
+def test_bca_jackknife_leaves_one_cluster_out():
+    from kvrelay.audit.bootstrap import _bca_interval, _cluster_boot_means
+
+    x = np.array([1.0, 2.0, 0.5, 4.0, 3.0, 9.0, 0.0])
+    labels = np.array(["a", "a", "b", "b", "b", "c", "d"])
+    ci = bca_ci(x, labels, n_boot=500, seed=3)
+    sums = np.array([x[labels == g].sum() for g in "abcd"])
+    counts = np.array([float((labels == g).sum()) for g in "abcd"])
+    boot = _cluster_boot_means(sums, counts, 500, np.random.default_rng(3))
+    jack = np.array([x[labels != g].mean() for g in "abcd"])  # the mean without cluster g
+    assert (ci.low, ci.high, ci.method) == _bca_interval(float(x.mean()), boot, jack, 0.95)
+
+
+def test_bca_resampling_in_chunks_equals_one_draw():
+    from kvrelay.audit.bootstrap import _MAX_DRAWS_PER_CHUNK, _cluster_boot_means
+
+    G = _MAX_DRAWS_PER_CHUNK // 100  # 100 resamples per chunk: 250 resamples take three chunks (100, 100, 50)
+    rng = np.random.default_rng(5)
+    sums, counts = rng.normal(size=G), rng.integers(1, 4, size=G).astype(float)
+    got = _cluster_boot_means(sums, counts, 250, np.random.default_rng(9))
+    ref_rng = np.random.default_rng(9)
+    idx = np.concatenate([ref_rng.integers(0, G, size=(m, G)) for m in (100, 100, 50)])  # (250, G)
+    assert np.array_equal(got, sums[idx].sum(axis=1) / counts[idx].sum(axis=1))
+
+
+def test_bca_interval_mid_rank_ties_and_zero_acceleration():
+    from kvrelay.audit.bootstrap import _bca_interval
+
+    boot = np.array([0.0] * 10 + [0.5] * 30 + [1.0] * 10)  # half the ties count as below: z0 = 0
+    expected = tuple(np.percentile(boot, [2.5, 97.5]))
+    for jack in (np.ones(3), np.array([-1.0, 0.0, 1.0])):  # no spread / no skew: acceleration 0
+        low, high, method = _bca_interval(0.5, boot, jack, 0.95)
+        assert method == "bca" and (low, high) == pytest.approx(expected)
+
+
+def test_bca_interval_acceleration_and_clipped_bias():
+    from scipy.special import ndtr, ndtri
+
+    from kvrelay.audit.bootstrap import _bca_interval
+
+    boot, z = np.arange(1.0, 101.0), ndtri(np.array([0.025, 0.975]))
+    jack = np.array([0.0, 0.0, 3.0])
+    dev = jack.mean() - jack
+    a = np.sum(dev**3) / (6.0 * np.sum(dev**2) ** 1.5)  # Efron & Tibshirani (14.15)
+    low, high, _ = _bca_interval(50.5, boot, jack, 0.95)  # z0 = 0
+    assert (low, high) == pytest.approx(tuple(np.percentile(boot, 100 * ndtr(z / (1 - a * z)))))
+    flat = np.ones(3)
+    for theta, share in ((0.0, 0.5 / 100), (1000.0, 1 - 0.5 / 100)):  # outside the bootstrap range: clipped
+        z0 = ndtri(share)
+        low, high, _ = _bca_interval(theta, boot, flat, 0.95)
+        assert (low, high) == pytest.approx(tuple(np.percentile(boot, 100 * ndtr(2 * z0 + z))))
+
+
+def test_bca_interval_falls_back_to_percentiles_when_the_map_is_not_monotone():
+    from kvrelay.audit.bootstrap import _bca_interval
+
+    boot = np.linspace(1.0, 2.0, 1_000_000)  # theta below all of it: z0 = ndtri(0.5e-6)
+    jack = np.r_[np.zeros(99), 10.0]  # one far cluster: acceleration ~ -1/6
+    low, high, method = _bca_interval(0.0, boot, jack, 0.95)
+    assert method == "percentile" and (low, high) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
