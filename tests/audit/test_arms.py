@@ -11,7 +11,7 @@ from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import build_kv, layer_subset, parse_arm
 from kvrelay.audit.runner import AuditConfig, AuditRunner
 from kvrelay.audit.tasks import generate
-from kvrelay.kv.transforms import layer_rms
+from kvrelay.kv.transforms import layer_rms, select_layers
 from tests.conftest import random_ids
 
 
@@ -219,3 +219,30 @@ def test_runner_gives_each_task_another_tasks_reading_of_its_own_length(qwen, tm
             body = other.token_ids[0, len(head):own.num_tokens - len(tail)].tolist()
             assert body[:12] == runner.sender.encode(tasks[partners[st.index]].context)[:12]
             assert body[:12] != runner.sender.encode(st.task.context)[:12]
+
+
+def test_arm_edges_and_errors(qwen):
+    from kvrelay.audit.arms import _token_subset
+
+    assert layer_subset("0,3,5", 24) == [0, 3, 5]
+    assert layer_subset("first:0.1", 4) == [0]  # rounds to none: at least one layer
+    p, m = payloads(qwen)
+    g = torch.Generator
+    assert build_kv(parse_arm("kv"), p, m, g())[0] is p
+    assert build_kv(parse_arm("kv_mismatched"), p, m, g()) == (m, m.nbytes)
+    with pytest.raises(ValueError, match=r"^kv_mismatched needs another task's payload$"):
+        build_kv(parse_arm("kv_mismatched"), p, None, g())
+    with pytest.raises(ValueError, match=r"^text_full is not a cache arm$"):
+        build_kv(parse_arm("text_full"), p, m, g())
+    short = Agent(qwen, "sender").prefill(random_ids(20, 3))
+    with pytest.raises(ValueError, match=r"^kv_layers needs a length-matched mismatched payload$"):
+        build_kv(parse_arm("kv_layers:first:0.5"), p, short, g())
+    with pytest.raises(ValueError, match="shorter"):  # a partner holding fewer layers is refused, not truncated
+        build_kv(parse_arm("kv_layers:first:0.5"), p, select_layers(m, [0]), g())
+    for name in ("kv_random", "kv_noise:0.5"):  # the audit's generator decides the draw: reproducible
+        a, _ = build_kv(parse_arm(name), p, None, g().manual_seed(4))
+        b, _ = build_kv(parse_arm(name), p, None, g().manual_seed(4))
+        assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True)), name
+    assert _token_subset(short, "first:0.01", None).num_tokens == 2  # at least one token, plus the last
+    with pytest.raises(ValueError, match=r"^kv_tokens:topk needs attention scores$"):
+        _token_subset(short, "topk:0.5", None)
