@@ -43,7 +43,7 @@ RUNS = [
                   "--codecs", "raw,fp16,int8,int4,evict:0.2", "--repeats", "1", "--no-link",
                   "--json", "{tmp}/transfer.json"], ["bench transfer", "break-even", "checks at 64"]),
     ("audit", ["audit", "--preset", "smoke", "--model", SMOL, "--tasks", "gen_easy:2", "--limit", "2",
-               "--arms", "none,kv,kv_mismatched", "--out", "{tmp}/audit"],
+               "--arms", "none,kv,kv_mismatched", "--engine", "fp32", "--threads", "2", "--out", "{tmp}/audit"],
      ["too few tasks to tell (2 tasks; at least 20 are needed)", "report.html"]),
     ("audit-report", ["audit", "report", "{tmp}/audit"], ["too few tasks to tell", "report.html"]),
     ("read", ["read", "--model", SMOL, "--context", "docs/demo/context.md", "--out", "{tmp}/report.kv",
@@ -55,6 +55,20 @@ RUNS = [
     ("inspect", ["inspect", "{tmp}/report.kv", "--json", "{tmp}/inspect.json"], ["int8"]),
     ("repair", ["bench", "repair", "--cases", "replace", "--model", SMOL, "--n", "2", "--context-tokens", "64",
                 "--methods", "raw;reprefill", "--json", "{tmp}/repair.json"], ["bench repair"]),
+    ("fuse-fit", ["fuse", "fit", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--method", "ridge",
+                  "--texts", "5", "--max-tokens", "16", "--out", "{tmp}/fuse"], ["wrote", "layer map"]),
+    ("fuse-eval", ["fuse", "eval", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tasks", "gen_easy",
+                   "--limit", "2", "--methods", "receiver,ridge", "--artefact", "{tmp}/fuse", "--max-new-tokens", "2",
+                   "--json", "{tmp}/fuse_eval.json", "--records", "{tmp}/fuse_eval.jsonl"], ["pairing private ridge"]),
+    ("fuse-report", ["fuse", "report", "{tmp}/fuse_eval.jsonl", "--json", "{tmp}/fuse_report.json"],
+     ["pairing private ridge"]),
+    ("fuse-ttft", ["fuse", "ttft", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tokens", "64",
+                   "--repeats", "1", "--threads", "1", "--artefact", "{tmp}/fuse", "--json", "{tmp}/fuse_ttft.json"],
+     ["re-prefill", "ridge"]),
+    ("models-pull-gguf", ["models", "pull", SMOL, "--keep-gguf"], ["model.gguf"]),
+    ("bench-engine", ["bench", "engine", "--model", SMOL, "--context-tokens", "32", "--engines", "fp32,int8",
+                      "--peer", "none", "--repeats", "1", "--new-tokens", "2", "--pipeline-tokens", "2",
+                      "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
     ("models-list", ["models", "list"], [SMOL, "qwen2.5-coder-0.5b"]),
     ("models-pull", ["models", "pull", SMOL], [f"{SMOL}: ready in"]),
     ("models-info", ["models", "info", SMOL, "--json", "{tmp}/info.json"], ["fingerprint", "KV bytes / token"]),
@@ -68,12 +82,14 @@ NOT_RUN = {
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
+    ("fuse", "train"): "no fuser is implemented yet: the command says so and exits 2 (README, kvrelay fuse)",
 }
 # which --json section of docs/json.md each run's JSON answers
 JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",
                  "pipeline": "kvrelay bench pipeline --json", "replace-quality": "kvrelay bench replace-quality --json",
                  "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
-                 "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json"}
+                 "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
+                 "bench-engine": "kvrelay bench engine --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:
