@@ -3,6 +3,8 @@ answers like the receiver re-reading the text, and the mismatched control is pai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvrelay.audit.tasks.task import Task
@@ -10,7 +12,7 @@ from kvrelay.bench.fuse_eval import METHODS, run_tasks, summarize
 from kvrelay.fuse import ridge
 from kvrelay.fuse.adapter import mha_from_gqa
 from kvrelay.models.identity import model_identity
-from kvrelay.models.tiny import WORDS, TinyLM, tiny_lm
+from kvrelay.models.tiny import WORDS, tiny_lm
 from tests.conftest import random_ids
 
 
@@ -18,7 +20,7 @@ from tests.conftest import random_ids
 def setup():
     gqa = tiny_lm("llama")
     mha = mha_from_gqa(gqa.model)
-    receiver = TinyLM("tiny-mha", mha, gqa.tokenizer, model_identity(mha, gqa.tokenizer))
+    receiver = replace(gqa, name="tiny-mha", model=mha, identity=model_identity(mha, gqa.tokenizer))
     opening = gqa.tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
     readings = [opening + random_ids(40, 300 + i) for i in range(16)]
     state = ridge.fit(gqa, receiver, readings, ridge.candidate_layers(4, 4))

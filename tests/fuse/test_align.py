@@ -14,7 +14,8 @@ from kvrelay.fuse.adapter import HeadMapAdapter, mha_from_gqa
 from kvrelay.kv.cache import to_cache
 from kvrelay.models.generate import forward_all
 from kvrelay.models.identity import RopeSpec, model_identity
-from kvrelay.models.tiny import TinyLM, tiny_lm
+from kvrelay.models.loaded import LoadedModel
+from kvrelay.models.tiny import tiny_lm
 from tests.conftest import random_ids
 
 
@@ -99,9 +100,9 @@ def test_apply_rope_moves_keys_to_another_base_and_back():
         align.apply_rope(pre, pos[:, :3], a)
 
 
-def _mha_lm(lm) -> TinyLM:
+def _mha_lm(lm) -> LoadedModel:
     mha = mha_from_gqa(lm.model)
-    return TinyLM(lm.name + "-mha", mha, lm.tokenizer, model_identity(mha, lm.tokenizer))
+    return replace(lm, name=lm.name + "-mha", model=mha, identity=model_identity(mha, lm.tokenizer))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from kvrelay.fuse.bridge import TokenBridge
 from kvrelay.kv.cache import to_cache
 from kvrelay.models.generate import forward_all
 from kvrelay.models.identity import model_identity
-from kvrelay.models.tiny import TinyLM, tiny_lm
+from kvrelay.models.tiny import tiny_lm
 from tests.conftest import random_ids
 
 TRAINING = {"datasets": ["random token ids"], "seed": 0}
@@ -24,7 +26,7 @@ def pair():
     """Sharer: tiny GQA llama. Receiver: its exactly equivalent MHA copy (a known linear map exists)."""
     gqa = tiny_lm("llama")
     mha = mha_from_gqa(gqa.model)
-    return gqa, TinyLM("tiny-llama-mha", mha, gqa.tokenizer, model_identity(mha, gqa.tokenizer))
+    return gqa, replace(gqa, name="tiny-llama-mha", model=mha, identity=model_identity(mha, gqa.tokenizer))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ import torch
 from tiny_model_folders import save_tiny_model, tiny_llama_config
 
 from kvrelay.core.errors import UnknownModel
-from kvrelay.models.loader import LoadedModel, clear_model_cache, load_model, model_facts
+from kvrelay.models.loaded import LoadedModel
+from kvrelay.models.loader import clear_model_cache, load_model, model_facts
+from kvrelay.models.tiny import tiny_lm
 
 
 def test_local_folder_loads_in_eval_mode_with_identity(tiny_llama_dir):
@@ -78,3 +80,13 @@ def test_unreachable_transformers_id_raises_unknown_model_listing_the_zoo():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "UNKNOWN" in out.stdout, out.stderr[-2000:]
     assert "qwen2.5-coder-0.5b" in out.stdout
+
+
+def test_tiny_models_are_loaded_models_rebuilt_from_arch_and_seed():
+    direct = tiny_lm("qwen2", seed=3)
+    loaded = load_model("tiny:qwen2:3")
+    assert isinstance(direct, LoadedModel) and isinstance(loaded, LoadedModel)
+    assert (direct.name, loaded.name) == ("tiny-qwen2", "tiny:qwen2:3")
+    assert (loaded.source, loaded.chat, loaded.engine) == ("tiny", True, "fp32")
+    assert loaded.identity.fingerprint == direct.identity.fingerprint
+    assert loaded.identity.fingerprint != tiny_lm("qwen2", seed=4).identity.fingerprint

@@ -1,7 +1,7 @@
 """Load a causal LM by zoo name, local folder, GGUF file, transformers id, ``BASE+ADAPTER`` variant
 (docs/models.md, ``models.variants``) or ``tiny:ARCH[:SEED]`` (``models.tiny``).
 
-Every route ends in the same ``LoadedModel``: an eval-mode model (``sdpa`` attention, eager
+Every route ends in the same ``LoadedModel`` (``models.loaded``): an eval-mode model (``sdpa`` attention, eager
 where sdpa is unsupported), its tokenizer, and its ``ModelIdentity``. The fingerprint is made
 cheap and stable by hashing weight *files* (the pinned GGUF sha256 for zoo models, the
 safetensors files for local folders, cached by path + size + mtime) instead of tensors.
@@ -21,7 +21,7 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
 from kvrelay.models.engine import apply_engine, mode
 from kvrelay.models.identity import ModelIdentity, model_identity
+from kvrelay.models.loaded import LoadedModel
 from kvrelay.models.tiny import parse_tiny, tiny_lm
 from kvrelay.models.variants import (
     adapter_digest,
@@ -43,28 +44,6 @@ from kvrelay.models.zoo import ZOO, entry, file_sha256, pull, read_manifest
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CACHE_SIZE = 4  # models held in-process at once (qwen2.5-coder-1.5b is ~6 GB in fp32)
-
-
-@dataclass(frozen=True, eq=False)
-class LoadedModel:
-    name: str  # zoo name, folder name, or transformers id
-    model: torch.nn.Module  # transformers causal LM, eval mode
-    tokenizer: object  # transformers tokenizer
-    identity: ModelIdentity  # fingerprint, tokenizer hash, layer types, rope
-    source: str  # where the weights were read from: a folder, a .gguf file, or "hub:<id>"
-    chat: bool  # tokenizer has a chat template
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def engine(self) -> str:
-        return self.identity.engine
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, engine: str = "fp32") -> LoadedModel:
@@ -108,7 +87,7 @@ def _load_cached(key: str, dtype: torch.dtype, engine: str) -> LoadedModel:
 
 
 def with_engine(lm, engine: str):
-    """A loaded model (or ``TinyLM``) in engine mode ``engine``: a new model object, same fp32 parameters.
+    """A ``LoadedModel`` in engine mode ``engine``: a new model object, same fp32 parameters.
 
     The parameters are shared with ``lm`` (no second fp32 copy); ``lm`` itself is left as it was.
     """

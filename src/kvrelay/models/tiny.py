@@ -12,40 +12,15 @@ makes ``Agent`` usable on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvrelay.models.identity import ModelIdentity, model_identity
+from kvrelay.models.identity import model_identity
+from kvrelay.models.loaded import LoadedModel
 
 WORDS = ("the a an of to in is was and or not yes no what which who where when how many code key value "
          "vault blue red green alpha beta gamma delta one two three four five six seven eight nine zero "
          "answer question report bug fix function file line error agent read write check plan step").split()
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "system", "user", "assistant", "\n"]
-
-
-@dataclass(frozen=True)
-class TinyLM:
-    """Same shape as ``LoadedModel`` for the parts ``Agent`` uses."""
-
-    name: str
-    model: torch.nn.Module
-    tokenizer: object
-    identity: ModelIdentity
-    source: str = "tiny"
-    chat: bool = True
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def engine(self) -> str:
-        return self.identity.engine
 
 
 def tiny_tokenizer():
@@ -100,7 +75,7 @@ def parse_tiny(name: str) -> tuple[str, int] | None:
     return arch, int(seed or 0)
 
 
-def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, name: str | None = None) -> TinyLM:
+def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, name: str | None = None) -> LoadedModel:
     """A random ``arch`` model whose weights depend only on ``seed`` (same in every process)."""
     from transformers import AutoModelForCausalLM
 
@@ -109,4 +84,4 @@ def tiny_lm(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, name: 
     cfg = tiny_config(arch, vocab_size=max(128, len(tok)))
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    return TinyLM(name or f"tiny-{arch}", model, tok, model_identity(model, tok))
+    return LoadedModel(name or f"tiny-{arch}", model, tok, model_identity(model, tok), source="tiny", chat=True)
