@@ -9,7 +9,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import build_kv, layer_subset, parse_arm
-from kvrelay.audit.runner import AuditConfig, AuditRunner
+from kvrelay.audit.runner import AuditConfig, AuditRunner, wrapper_ids
 from kvrelay.audit.tasks import generate
 from kvrelay.kv.transforms import layer_rms, select_layers
 from tests.conftest import random_ids
@@ -97,7 +97,7 @@ def test_mismatched_is_another_task_with_equal_length(qwen, tmp_path):
     other = runner._mismatched(tasks, 1, mine.num_tokens)
     assert other.num_tokens == mine.num_tokens
     assert not torch.equal(other.token_ids, mine.token_ids)
-    head, tail = runner._head_tail()
+    head, tail = wrapper_ids(runner.sender)
     body = other.token_ids[0, len(head):len(other.token_ids[0]) - len(tail)].tolist()
     nxt = runner.sender.encode(tasks[1].context)
     assert body[:20] == nxt[:20]  # it is task 1's reading, not noise
@@ -210,7 +210,7 @@ def test_runner_gives_each_task_another_tasks_reading_of_its_own_length(qwen, tm
     tasks = load_tasks("gen_easy", limit=4, seed=0)
     order = run_order(tasks)
     partners = mismatch_partners(order)
-    head, tail = runner._head_tail()
+    head, tail = wrapper_ids(runner.sender)
     for batch in (order[:2], order[2:]):
         for st in runner.read_batch(tasks, batch, partners):
             own, other = st.payload, st.mismatched

@@ -18,6 +18,9 @@ context: a ``KVPayload`` for cache arms, token ids / text for text arms, ``None`
                    the mismatched payload elsewhere, so length and presence stay equal
 ``kv_tokens:SPEC`` only a fraction of tokens: ``first:0.5``, ``last:0.2``, ``topk:0.2``
 ``kv_codec:NAME``  after a codec (``fp16``, ``int8``, ``int4``, ``evict:0.2``, ...)
+``kv_adapter:A``   another model's cache of the context, through adapter artefact ``A``
+                   (``audit.channels``; the runner builds it, not ``build_kv``)
+``kv_adapter_mismatched:A``  that model's length-matched cache of another task, through ``A``
 =================  ===============================================================
 """
 

@@ -23,7 +23,7 @@ from kvrelay.audit.document import Fig, Para, Section, Table, render_html, rende
 from kvrelay.audit.fmt import ci_text, duration, meta_text, nbytes, pval, value_text
 from kvrelay.audit.stats import ALL, summarize
 from kvrelay.audit.verdict import MAX_TOST_HALF_WIDTH, tost_too_wide
-from kvrelay.audit.vocab import ALPHA, CONTRASTS, arm_order, arm_rank, contrast_rank
+from kvrelay.audit.vocab import ALPHA, arm_order, arm_rank, contrast_arms, contrast_rank, contrasts_for
 
 #: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
 #: carries them over from the summary.json it replaces.
@@ -89,7 +89,8 @@ def _facts(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> Secti
     sec.blocks.append(Table(("", ""), rows))
     sec.blocks.append(Para("Success is the task's score in points (score × 100). Every effect is paired, "
                            "A − B, matched on task and seed; contrasts: " + "; ".join(
-                               f"{c} = {a} − {b}" for c, (a, b) in CONTRASTS.items()) + ".", "note"))  # fmt: skip
+                               f"{c} = {a} − {b}" for c, (a, b) in contrasts_for({r["arm"] for r in records}).items())
+                           + ".", "note"))  # fmt: skip
     unmatched = summary.get("unmatched") or []
     if unmatched:
         parts = [f"{u['regime']}/{_task(u['task'])} {u['contrast']}: {u.get('only_a', 0)} {u.get('arm_a', 'A')}"
@@ -136,7 +137,7 @@ def _effects_table(rows: Sequence[Mapping], level: str, collapsed: bool = False)
     out, keys = [], []
     for e in _sorted_effects(rows):
         o = e["outcome"]
-        a, b = CONTRASTS.get(e["contrast"], ("A", "B"))
+        a, b = contrast_arms(e["contrast"]) or ("A", "B")
         star = " *" if e.get("p_holm") is not None and e["p_holm"] < ALPHA else ""
         out.append((e["regime"], _task(e["task"]), e["contrast"], f"{a} − {b}", o, value_text(o, e.get("estimate")) + star,
                     ci_text(o, e.get("ci_low"), e.get("ci_high")), pval(e.get("p_value")), pval(e.get("p_holm")),

@@ -7,6 +7,11 @@ Protocol (stated once):
   the reading of the *next* task in run order (a fixed shift within the batch, as in the paper),
   cut or extended with further real contexts to *exactly* the matched payload's length, with
   the same wrapper tokens. Its cache is reused from the partner's own payload when it was read.
+* Adapter arms (``kv_adapter:NAME``, ``audit.channels``): the sharer model of artefact NAME reads
+  each task's context with the sender's role, once per task; ``kv_adapter_mismatched:NAME`` gets
+  its length-matched reading of the partner task (the same shift), labelled with the matched
+  task's tokens. ``relay_bytes`` is the sharer payload's size; ``sender_s`` the sharer's reading;
+  the adapter's own work is part of ``relay_s``.
 * Decoding is greedy, so an arm whose input does not depend on the seed (everything but
   ``kv_random`` and ``kv_noise``) gives the same answer under every seed: it is computed once
   per task and recorded for each seed. Seeds drive the random draws and the arm order; the
@@ -33,13 +38,14 @@ import platform
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
+from kvrelay.audit.channels import open_channel, relabelled
 from kvrelay.audit.config import AuditConfig, split_task_spec  # noqa: F401 (re-exported)
 from kvrelay.audit.partners import mismatch_partners, run_order
 from kvrelay.audit.tasks import Task, load_tasks, score
@@ -66,6 +72,7 @@ class _TaskState:
     payload: KVPayload
     sender_s: float
     mismatched: KVPayload | None = None
+    shared: dict = field(default_factory=dict)  # adapter name -> (sharer payload, sharer seconds, mismatched or None)
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
@@ -97,55 +104,65 @@ def _records_done(path: Path) -> set[tuple[str, str, int]]:
     return done
 
 
+def wrapper_ids(agent: Agent) -> tuple[list[int], list[int]]:
+    """The tokens ``agent`` reads before and after a context's text (role as system prompt, user turn)."""
+    user_head, _, user_tail = agent.fmt.user_tpl.partition("{text}")
+    return agent.encode(agent.fmt.system(agent.role)) + agent.encode(user_head), agent.encode(user_tail)
+
+
+def length_matched(agent: Agent, tasks: list[Task], j: int, length: int, partner: KVPayload | None = None) -> KVPayload:
+    """``agent``'s reading of task ``j`` (extended with ``j + 1``'s, ...), cut to exactly ``length`` tokens,
+    same wrapper: a mismatched payload of the same length as a matched one.
+
+    With ``partner`` (task ``j``'s own payload) the cache is reused: a prefix of a causal cache is
+    the exact cache of that prefix, so only the wrapper tail (and any extension) is prefilled.
+    """
+    head, tail = wrapper_ids(agent)
+    want = length - len(head) - len(tail)
+    if partner is not None and want > 0:
+        have = partner.num_tokens - len(head) - len(tail)  # partner's own body tokens
+        try:
+            prefix = select_tokens(partner, list(range(len(head) + min(want, have))))
+        except ValueError:  # sliding-window layers no longer hold the early slots: prefill instead
+            prefix = None
+        if prefix is not None:
+            extra: list[int] = []
+            k = j
+            while len(extra) < want - have:
+                k = (k + 1) % len(tasks)
+                extra += agent.encode("\n\n" + tasks[k].context)
+            return agent.extend(prefix, extra[:max(want - have, 0)] + tail)
+    body: list[int] = []
+    k = j
+    while len(body) < want:
+        body += agent.encode(tasks[k].context + "\n\n")
+        k = (k + 1) % len(tasks)
+    ids = head + body[:max(want, 0)] + tail
+    return agent.prefill(ids[:length])
+
+
 class AuditRunner:
     """Runs an ``AuditConfig`` into ``out_dir/records.jsonl``; stateless between runs except that file."""
 
-    def __init__(self, cfg: AuditConfig, lm, out_dir: Path, progress: Callable[[int], None] | None = None):
+    def __init__(self, cfg: AuditConfig, lm, out_dir: Path, progress: Callable[[int], None] | None = None,
+                 load_sharer: Callable[[str], object] | None = None):
         self.cfg, self.lm, self.out = cfg, lm, Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.records_path = self.out / "records.jsonl"
         self.sender = Agent(lm, "sender", role=SENDER_ROLE)
         self.receiver = Agent(lm, "receiver", role=RECEIVER_ROLE)
         self.arms = [parse_arm(a) for a in cfg.arms]
+        names = list(dict.fromkeys(a.adapter for a in self.arms if a.adapter))
+        self.channels = {n: open_channel(n, lm, SENDER_ROLE, load_sharer) for n in names}  # adapter arms' sharers
         self.progress = progress or (lambda n: None)
         self.versions = {"kvrelay": _version(), "torch": torch.__version__, "python": platform.python_version(),
                          "model_fingerprint": lm.identity.fingerprint}
         self._memo: dict[tuple[str, str], dict] = {}
 
     # -- payloads -----------------------------------------------------------------------------
-    def _head_tail(self) -> tuple[list[int], list[int]]:
-        user_head, _, user_tail = self.sender.fmt.user_tpl.partition("{text}")
-        head = self.sender.encode(self.sender.fmt.system(self.sender.role)) + self.sender.encode(user_head)
-        return head, self.sender.encode(user_tail)
-
     def _mismatched(self, tasks: list[Task], j: int, length: int, partner: KVPayload | None = None) -> KVPayload:
-        """Task ``j``'s reading (extended with ``j + 1``'s, ...), cut to exactly ``length`` tokens, same wrapper.
-
-        With ``partner`` (task ``j``'s own payload) the cache is reused: a prefix of a causal cache is
-        the exact cache of that prefix, so only the wrapper tail (and any extension) is prefilled.
-        """
-        head, tail = self._head_tail()
-        want = length - len(head) - len(tail)
-        if partner is not None and want > 0:
-            have = partner.num_tokens - len(head) - len(tail)  # partner's own body tokens
-            try:
-                prefix = select_tokens(partner, list(range(len(head) + min(want, have))))
-            except ValueError:  # sliding-window layers no longer hold the early slots: prefill instead
-                prefix = None
-            if prefix is not None:
-                extra: list[int] = []
-                k = j
-                while len(extra) < want - have:
-                    k = (k + 1) % len(tasks)
-                    extra += self.sender.encode("\n\n" + tasks[k].context)
-                return self.sender.extend(prefix, extra[:max(want - have, 0)] + tail)
-        body: list[int] = []
-        k = j
-        while len(body) < want:
-            body += self.sender.encode(tasks[k].context + "\n\n")
-            k = (k + 1) % len(tasks)
-        ids = head + body[:max(want, 0)] + tail
-        return self.sender.prefill(ids[:length])
+        """The sender's length-matched reading of task ``j`` (``length_matched``)."""
+        return length_matched(self.sender, tasks, j, length, partner)
 
     # -- one batch ----------------------------------------------------------------------------
     def _contexts(self, arm: Arm, states: list[_TaskState], seed: int) -> tuple[list, list[int], float]:
@@ -163,6 +180,10 @@ class AuditRunner:
                                               max_new_tokens=self.cfg.message_tokens)
             spent = time.perf_counter() - t0
             return [n.text for n in notes], [len(n.text.encode()) for n in notes], spent
+        if arm.adapter:
+            adapter = self.channels[arm.adapter].adapter
+            sent = [s.shared[arm.adapter][2 if arm.base == "kv_adapter_mismatched" else 0] for s in states]
+            return [adapter.adapt(p, self.lm.identity) for p in sent], [p.nbytes for p in sent], 0.0
         out, sizes = [], []
         for s in states:
             p, nbytes = build_kv(arm, s.payload, s.mismatched, gen, model=self.lm.model)
@@ -183,7 +204,8 @@ class AuditRunner:
                 "task_id": s.task.id, "task": s.task.task, "regime": s.task.regime, "arm": arm.name, "seed": seed,
                 "covariates": s.task.covariate_dict(), "answer": r.text, "gold": list(s.task.answers),
                 "score": score(s.task, r.text), "prefill_tokens": r.prefill_tokens, "relayed_tokens": r.relayed_tokens,
-                "relay_bytes": nbytes, "sender_s": s.sender_s + sender_extra / B, "relay_s": relay_s / B,
+                "relay_bytes": nbytes, "relay_s": relay_s / B,
+                "sender_s": (s.shared[arm.adapter][1] if arm.adapter else s.sender_s) + sender_extra / B,
                 "ttft_s": r.ttft_s / B, "decode_s": r.decode_s / B,
                 "latency_s": (relay_s + sender_extra + r.ttft_s + r.decode_s) / B, "batch": B,
             })
@@ -202,7 +224,21 @@ class AuditRunner:
             for st in states:
                 j = partners[st.index]
                 st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read.get(j))
+        for name, ch in self.channels.items():
+            self._share(name, ch, tasks, states, partners)
         return states
+
+    def _share(self, name: str, ch, tasks: list[Task], states: list[_TaskState], partners: list[int]) -> None:
+        """The sharer of adapter ``name`` reads each task; its length-matched reading of the partner for the control."""
+        for st in states:
+            t0 = time.perf_counter()
+            st.shared[name] = (ch.read(st.task.context), time.perf_counter() - t0, None)
+        if any(a.base == "kv_adapter_mismatched" and a.adapter == name for a in self.arms):
+            read = {st.index: st.shared[name][0] for st in states}
+            for st in states:
+                p, secs, _ = st.shared[name]
+                other = length_matched(ch.agent, tasks, partners[st.index], p.num_tokens, read.get(partners[st.index]))
+                st.shared[name] = (p, secs, relabelled(other, p))
 
     def run_set(self, name: str, done: set, sink, limit: int | None = None) -> None:
         tasks = load_tasks(name, limit=limit, seed=0)

@@ -5,7 +5,8 @@ Entry point: :func:`summarize` turns trial records (``records.jsonl``) into the 
 
 Conventions, stated once:
 - Every effect is a paired difference ``arm A − arm B`` (contrasts in
-  :data:`~kvrelay.audit.paired.CONTRASTS`), matched on ``(task_id, seed)``.
+  :data:`~kvrelay.audit.paired.CONTRASTS`, plus per adapter arm ``adapter_pairing:NAME`` and
+  ``adapter_vs_none:NAME``: :func:`~kvrelay.audit.vocab.adapter_contrasts`), matched on ``(task_id, seed)``.
 - ``success`` effects are in POINTS (score × 100, so +4.1 means 4.1 percentage points);
   ``latency_s`` in seconds, ``relay_bytes`` in bytes, ``prefill_tokens`` in tokens.
 - Estimate = mean of the paired differences; CI = BCa bootstrap (95% by default), a cluster
@@ -53,7 +54,7 @@ from kvrelay.audit.paired import (
 )
 from kvrelay.audit.subgroups import cate_regression, cate_subgroups
 from kvrelay.audit.verdict import verdict
-from kvrelay.audit.vocab import ALPHA
+from kvrelay.audit.vocab import ALPHA, contrasts_for
 
 __all__ = [
     "ALL", "CONTRASTS", "OUTCOMES", "BootstrapCI", "Paired", "TOSTResult", "Trial", "TrialIndex",
@@ -124,7 +125,7 @@ def _effects(audit: _Audit) -> tuple[list[dict], list[dict]]:
     gaps: dict[tuple[str, str, str], dict] = {}
     missing: dict[tuple[str, str, str], dict[str, int]] = defaultdict(dict)
     for regime, task in audit.cells():
-        for contrast, (arm_a, arm_b) in CONTRASTS.items():
+        for contrast, (arm_a, arm_b) in contrasts_for(audit.index.arms(regime, task)).items():
             if not (audit.index.has(regime, task, arm_a) and audit.index.has(regime, task, arm_b)):
                 continue  # a contrast whose arm was not run is absent, not an error
             for outcome in OUTCOMES:
@@ -171,7 +172,7 @@ def _equivalence(audit: _Audit, margin: float, contrasts: Sequence[str]) -> list
 def _cate(audit: _Audit, n_bins: int, max_distinct: int) -> tuple[list[dict], list[dict]]:
     subgroup_rows, regression_rows = [], []
     for regime, task in audit.cells():
-        for contrast, (arm_a, arm_b) in CONTRASTS.items():
+        for contrast, (arm_a, arm_b) in contrasts_for(audit.index.arms(regime, task)).items():
             if not (audit.index.has(regime, task, arm_a) and audit.index.has(regime, task, arm_b)):
                 continue
             p, _ = audit.effect(regime, task, arm_a, arm_b, "success")

@@ -4,9 +4,14 @@ Arms (what the receiver gets in place of the relayed cache; docs/audit.md has th
 
 * plain arms, no dial — ``PLAIN_ARMS``, in report order;
 * dial arms ``BASE:DIAL`` — ``kv_noise:σ``, ``kv_layers:SPEC``, ``kv_tokens:first|last|topk:F``,
-  ``kv_codec:NAME``.
+  ``kv_codec:NAME``;
+* adapter arms ``kv_adapter:NAME`` and its control ``kv_adapter_mismatched:NAME`` — another model
+  (the sharer of adapter artefact NAME) reads the context and its cache reaches the receiver
+  through that adapter; the control sends the sharer's length-matched cache of another task.
 
 A contrast is a paired difference ``arm A − arm B``; success effects are in points (score × 100).
+Adapter arms add their own contrasts per NAME (``adapter_contrasts``): ``adapter_pairing:NAME``
+(matched − mismatched sharer cache) and ``adapter_vs_none:NAME``.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ OUTCOMES = ("success", "latency_s", "relay_bytes", "prefill_tokens")
 
 PLAIN_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
 DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec")
+#: arms whose cache another model made, through adapter artefact NAME (their dial)
+ADAPTER_ARMS = ("kv_adapter", "kv_adapter_mismatched")
 #: arms whose payload is another task's reading (length-matched partner)
 MISMATCH_ARMS = ("kv_mismatched", "kv_layers")
+#: adapter contrast family -> (arm A base, arm B): B None means the plain arm ``none``
+ADAPTER_CONTRASTS = {"adapter_pairing": ("kv_adapter", "kv_adapter_mismatched"), "adapter_vs_none": ("kv_adapter", None)}
 #: arms whose input depends on the seed (random draws); the others give one answer per task
 STOCHASTIC_ARMS = ("kv_random", "kv_noise")
 
@@ -55,10 +64,15 @@ class ArmName:
     def stochastic(self) -> bool:
         return self.base in STOCHASTIC_ARMS
 
+    @property
+    def adapter(self) -> str | None:
+        """The adapter artefact an adapter arm goes through (its dial); None for every other arm."""
+        return self.dial if self.base in ADAPTER_ARMS else None
+
 
 def arm_help() -> str:
     return (f"{', '.join(PLAIN_ARMS)}, kv_noise:SIGMA, kv_layers:SPEC, kv_tokens:{'|'.join(TOKEN_MODES)}:FRACTION, "
-            "kv_codec:NAME")
+            "kv_codec:NAME, kv_adapter:ARTEFACT, kv_adapter_mismatched:ARTEFACT")
 
 
 def parse_arm(name: str, *, strict: bool = True) -> ArmName:
@@ -78,9 +92,9 @@ def parse_arm(name: str, *, strict: bool = True) -> ArmName:
         raise ValueError(f"arm {name!r} has an empty dial after ':'")
     if base in PLAIN_ARMS and sep:
         raise ValueError(f"arm {base!r} takes no dial, got {name!r}")
-    if base in DIAL_ARMS and not sep:
+    if base in DIAL_ARMS + ADAPTER_ARMS and not sep:
         raise ValueError(f"arm {name!r} needs a dial; expected one of {arm_help()}")
-    if base not in PLAIN_ARMS and base not in DIAL_ARMS and strict:
+    if base not in PLAIN_ARMS and base not in DIAL_ARMS + ADAPTER_ARMS and strict:
         raise ValueError(f"unknown arm {name!r}; expected one of {arm_help()}")
     if base in DIAL_ARMS:
         _check_dial(text, base, dial)
@@ -113,7 +127,7 @@ def dial_family(arm: str) -> tuple[str, str, float | None] | None:
     ``kv_tokens:last`` at dose ``0.2``; ``kv_codec:int8`` is family ``kv_codec`` at dose ``int8``.
     """
     a = parse_arm(arm, strict=False)
-    if a.dial is None:
+    if a.dial is None or a.base in ADAPTER_ARMS:  # an adapter's name is not a dose
         return None
     head, _, last = a.dial.rpartition(":")
     family = f"{a.base}:{head}" if head else a.base
@@ -138,6 +152,37 @@ def arm_rank(arm: str) -> tuple[int, str]:
     return (PLAIN_ARMS.index(arm) if arm in PLAIN_ARMS else len(PLAIN_ARMS), arm)
 
 
+def adapter_contrasts(arms) -> dict[str, tuple[str, str]]:
+    """Contrasts of the adapter arms among ``arms``: ``adapter_pairing:NAME`` and ``adapter_vs_none:NAME``."""
+    out = {}
+    for arm in sorted(set(arms)):
+        a = parse_arm(arm, strict=False)
+        if a.base != "kv_adapter":
+            continue
+        for family, (_, other) in ADAPTER_CONTRASTS.items():
+            out[f"{family}:{a.dial}"] = (arm, f"{other}:{a.dial}" if other else "none")
+    return out
+
+
+def contrasts_for(arms) -> dict[str, tuple[str, str]]:
+    """Every contrast that can be formed among ``arms``' names: ``CONTRASTS`` then the adapter ones."""
+    return {**CONTRASTS, **adapter_contrasts(arms)}
+
+
+def contrast_arms(contrast: str) -> tuple[str, str] | None:
+    """(arm A, arm B) of a contrast name, fixed or adapter (``adapter_pairing:NAME``); None if unknown."""
+    if contrast in CONTRASTS:
+        return CONTRASTS[contrast]
+    family, sep, name = contrast.partition(":")
+    if not sep or family not in ADAPTER_CONTRASTS:
+        return None
+    a, b = ADAPTER_CONTRASTS[family]
+    return f"{a}:{name}", f"{b}:{name}" if b else "none"
+
+
 def contrast_rank(contrast: str) -> int:
     order = tuple(CONTRASTS)
-    return order.index(contrast) if contrast in order else len(order)
+    if contrast in order:
+        return order.index(contrast)
+    family = contrast.partition(":")[0]
+    return len(order) + (tuple(ADAPTER_CONTRASTS).index(family) if family in ADAPTER_CONTRASTS else len(ADAPTER_CONTRASTS))

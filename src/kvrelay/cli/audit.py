@@ -94,12 +94,22 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
     seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else None
     cfg = preset(preset_name, model=model, tasks=task_specs, arms=arm_names, seeds=seed_list, limit=limit,
                  batch_size=batch_size)
-    if any(parse_arm(a).needs_mismatch for a in cfg.arms):
+    parsed = [parse_arm(a) for a in cfg.arms]
+    if any(a.needs_mismatch or a.base == "kv_adapter_mismatched" for a in parsed):
         for name, count in cfg.task_sets():
             if count is not None and count < v.MIN_TASKS_FOR_MISMATCH:
-                raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers) pairs "
-                                     "each task with another task of its set",
+                raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers, "
+                                     "kv_adapter_mismatched) pairs each task with another task of its set",
                                      f"--limit (or NAME:COUNT) >= {v.MIN_TASKS_FOR_MISMATCH}")
+    for a in parsed:
+        if a.adapter:
+            from kvrelay.audit.channels import resolve
+
+            try:
+                resolve(a.adapter)
+            except ValueError as err:
+                raise v.InvalidInput(f"--arms: {a.name}: {v.one_line(err)}",
+                                     "kv_adapter:NAME with NAME a folder under artefacts/fuse/ or a path") from None
     v.model(cfg.model)
     return cfg
 

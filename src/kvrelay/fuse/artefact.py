@@ -121,6 +121,11 @@ def digest(config: ArtefactConfig, tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def root() -> Path:
+    """Where kvrelay keeps the committed artefacts: ``artefacts/fuse``."""
+    return Path(__file__).resolve().parents[3] / "artefacts" / "fuse"
+
+
 def default_dir(receiver: str, sharer: str, method: str) -> Path:
-    """Where kvrelay keeps the committed artefact of a pair: ``artefacts/fuse/<receiver>__<sharer>__<method>``."""
-    return Path(__file__).resolve().parents[3] / "artefacts" / "fuse" / f"{receiver}__{sharer}__{method}"
+    """The committed artefact of a pair: ``artefacts/fuse/<receiver>__<sharer>__<method>``."""
+    return root() / f"{receiver}__{sharer}__{method}"
