@@ -62,6 +62,13 @@ RUNS = [
                    "--json", "{tmp}/fuse_eval.json", "--records", "{tmp}/fuse_eval.jsonl"], ["pairing private ridge"]),
     ("fuse-report", ["fuse", "report", "{tmp}/fuse_eval.jsonl", "--json", "{tmp}/fuse_report.json"],
      ["pairing private ridge"]),
+    ("fuse-train", ["fuse", "train", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--method", "fuser",
+                    "--steps", "2", "--examples", "4", "--held-out", "1", "--max-tokens", "400", "--rank", "4",
+                    "--eval-every", "2", "--threads", "1", "--work", "{tmp}/fuser-work", "--out", "{tmp}/fuser"],
+     ["wrote", "gates open"]),
+    ("fuse-eval-fuser", ["fuse", "eval", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tasks",
+                         "arc_challenge", "--limit", "2", "--methods", "receiver,fuser", "--fuser", "{tmp}/fuser",
+                         "--max-new-tokens", "2", "--json", "{tmp}/fuse_eval_fuser.json"], ["pairing shared fuser"]),
     ("fuse-ttft", ["fuse", "ttft", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tokens", "64",
                    "--repeats", "1", "--threads", "1", "--artefact", "{tmp}/fuse", "--json", "{tmp}/fuse_ttft.json"],
      ["re-prefill", "ridge"]),
@@ -82,7 +89,6 @@ NOT_RUN = {
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
-    ("fuse", "train"): "no fuser is implemented yet: the command says so and exits 2 (README, kvrelay fuse)",
 }
 # which --json section of docs/json.md each run's JSON answers
 JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",

@@ -9,13 +9,18 @@ Methods (what the receiver answers from):
 ``text``        the sharer's answer as a message the receiver reads (timed: sharer decode included)
 ``text_full``   the receiver re-reads the context as text (translate's upper bound)
 ``ridge``       the sharer's payload through the ridge adapter (``fuse.ridge``)
+``fuser``       the receiver's own reading of the context fused with the sharer's payload
+                (``fuse.fuser``; its time to first token includes the receiver's own prefill)
 ==============  ================================================================================
 
 Regimes follow the task: ``private`` (SQuAD, generated records — only the context holds the
 answer: *translate*) and ``shared`` (ARC, OpenBookQA, MMLU — the receiver's prompt holds the whole
 problem too: *fuse*, the mapped cache is extra). The pairing control for ``ridge`` gives the
 receiver the adapted payload of *another* task (the next one in order); pairing = matched −
-mismatched accuracy, with a paired bootstrap CI over tasks.
+mismatched accuracy, with a paired bootstrap CI over tasks. The fuser's control is the sharer's
+reading of the next task cut or extended to the same number of tokens and labelled with this
+task's tokens (``audit.runner.length_matched``), so the receiver still reads this task itself and
+only the sharer's cache is another task's.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ import numpy as np
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.bootstrap import bca_ci
+from kvrelay.audit.channels import relabelled
+from kvrelay.audit.runner import length_matched
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
 
-METHODS = ("receiver", "sharer", "text", "text_full", "ridge")
+METHODS = ("receiver", "sharer", "text", "text_full", "ridge", "fuser")
 MESSAGE = "Another assistant read the material and answered: {msg}"
 
 
@@ -55,17 +62,22 @@ def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched:
 
 def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: Sequence[str] = METHODS, *,
               max_new_tokens: int = 16, progress: Callable | None = None, done: Sequence[Trial] = (),
-              sink: Callable[[Trial], None] | None = None) -> list[Trial]:
-    """Every method on every task (and ``ridge`` on the next task's payload); one greedy answer each.
+              sink: Callable[[Trial], None] | None = None, fuser=None) -> list[Trial]:
+    """Every method on every task (and ``ridge`` / ``fuser`` on another task's payload); one greedy answer each.
 
+    ``adapter``: the ridge adapter (for ``ridge``); ``fuser``: a ``FuserAdapter`` (for ``fuser``).
     ``done``: trials already on disk (skipped, returned as they are); ``sink`` gets each new trial as it lands.
     """
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; available: {', '.join(METHODS)}")
+    for method, adp in (("ridge", adapter), ("fuser", fuser)):
+        if method in methods and adp is None:
+            raise ValueError(f"method {method!r} needs its adapter")
     sharer = Agent(sharer_lm, "sharer", max_new_tokens=max_new_tokens)
     plain = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens)
     mapped = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=adapter)
+    fused = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=fuser)
     have = {(t.task_id, t.method, t.mismatched): t for t in done}
     trials = list(have.values())
     reads: dict[int, tuple] = {}
@@ -105,6 +117,12 @@ def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: S
                 p = payload(j)[0]
                 r = mapped.respond(t.prompt, p)
                 add(_trial(t, "ridge", r.text, r.ttft_s, p.nbytes, mm))
+            if todo(t, "fuser", mm):
+                p = payload(i)[0]
+                if mm:
+                    p = relabelled(length_matched(sharer, list(tasks), j, p.num_tokens, payload(j)[0]), p)
+                r = fused.respond(t.prompt, p)
+                add(_trial(t, "fuser", r.text, r.ttft_s, p.nbytes, mm))
         reads.pop(i - 1, None)  # task i-1's reading is no longer needed (i+1's may be, as i's partner)
     return trials
 

@@ -73,21 +73,137 @@ def fit(
 
 @app.command()
 def train(
-    receiver: str = typer.Option("qwen2.5-coder-0.5b"),
-    sharer: str = typer.Option("qwen2.5-coder-1.5b"),
-    method: str = typer.Option("fuser"),
+    receiver: str = typer.Option("qwen2.5-coder-0.5b", help="the model whose cache is extended (frozen)"),
+    sharer: str = typer.Option("qwen2.5-coder-1.5b", help="the model whose cache is fused in (frozen)"),
+    method: str = typer.Option("fuser", help="fuser (gated low-rank projection, trained on the answer loss)"),
+    steps: int = typer.Option(300, min=1, help="optimizer steps in all (a resumed run continues to this count)"),
+    examples: int = typer.Option(96, min=4, help="training tasks (SciQ, CommonsenseQA, BoolQ, TriviaQA/NQ)"),
+    held_out: int = typer.Option(8, min=1, help="of those, kept out of training for the held-out loss"),
+    max_tokens: int = typer.Option(160, min=16, help="skip tasks whose reading is longer (sharer tokens)"),
+    rank: int = typer.Option(64, min=1, help="projection rank per layer (parameters grow linearly with it)"),
+    lr: float = typer.Option(1e-3, min=0.0),
+    seed: int = typer.Option(0),
+    eval_every: int = typer.Option(25, min=1, help="steps between held-out losses and checkpoints"),
+    work: Path | None = typer.Option(None, help="checkpoints and precomputed caches (default: out/fuse-train/R__S)"),
+    out: Path | None = typer.Option(None, help="artefact folder (default: artefacts/fuse/R__S__fuser)"),
+    threads: int | None = typer.Option(None, help="torch intra-op threads"),
 ):
-    """Train a gradient-fitted adapter (the fuser). Not available in this version."""
-    raise typer.BadParameter(f"`fuse train --method {method}` is not implemented in this version: only the "
-                             "closed-form ridge adapter exists (`kvrelay fuse fit`)")
+    """Train a fuser with both models frozen; resumable (re-run the same command to continue)."""
+    import gc
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    from kvrelay.audit.tasks.fitting import PROBLEM_SOURCES, fitting_problems
+    from kvrelay.cli import validate as v
+    from kvrelay.cli.common import load_for_cli
+    from kvrelay.fuse import align, artefact
+    from kvrelay.fuse import fuser as F
+    from kvrelay.fuse import fuser_train as FT
+    from kvrelay.models.loader import clear_model_cache
+
+    if method != "fuser":
+        raise v.InvalidInput(f"--method {method!r} is not trained by `fuse train`",
+                             "fuser (ridge is fitted in closed form by `kvrelay fuse fit`)")
+    if held_out >= examples:
+        raise v.InvalidInput(f"--held-out {held_out} leaves no training tasks of --examples {examples}",
+                             "--held-out smaller than --examples")
+    v.model(receiver, "--receiver")
+    v.model(sharer, "--sharer")
+    v.positive(threads, "--threads")
+    work = work or Path("out") / "fuse-train" / f"{receiver}__{sharer}"
+    work.mkdir(parents=True, exist_ok=True)
+    tasks = fitting_problems(examples * 2)  # twice as many: readings over --max-tokens are skipped
+    data_path = work / f"sharer_{examples}_{max_tokens}.pt"
+    # the sharer's readings first, then the sharer is dropped: the two models never sit in memory together
+    s_lm = load_for_cli(sharer, threads)
+    s_ident, s_tok = s_lm.identity, s_lm.tokenizer
+    saved = torch.load(data_path, weights_only=False) if data_path.is_file() else None
+    if saved is None or saved["sharer"] != s_ident.fingerprint:  # every sharer layer: the map needs the receiver
+        shared = _shared_readings(s_lm, tasks, set(range(s_ident.num_layers)), max_tokens, examples)
+        torch.save({"sharer": s_ident.fingerprint, "shared": shared}, data_path)
+    else:
+        shared = saved["shared"]
+    del s_lm, saved
+    clear_model_cache()
+    gc.collect()
+    r_lm = load_for_cli(receiver, threads)
+    layer_map = align.depth_proportional(r_lm.identity.num_layers, s_ident.num_layers)
+    kept = [(t, s) for t, s in zip(tasks, shared, strict=False) if s is not None][:examples]
+    exs = FT.receiver_pass(r_lm, [t for t, _ in kept], [s for _, s in kept], _bridge_for(s_ident, s_tok, r_lm),
+                           progress=lambda xs: tqdm(xs, desc=f"receiver reads ({receiver})", unit="task"))
+    held, train_ex = exs[:held_out], exs[held_out:]
+    feat = next(iter(train_ex[0].feats.values())).shape[-1]
+    net = F.FuserNet(r_lm.identity.num_layers, feat, r_lm.identity.num_kv_heads, r_lm.identity.head_dim, rank)
+    ckpt = work / f"ckpt_rank{rank}_seed{seed}.pt"
+    state = None
+    if ckpt.is_file():
+        state = FT.load_checkpoint(ckpt, net)
+        console.print(f"resuming {ckpt} at step {state.step}")
+    else:
+        FT.standardise(net, train_ex, layer_map)
+    cfg = FT.TrainConfig(steps=steps, lr=lr, seed=seed, eval_every=eval_every)
+    state = FT.train(net, r_lm.model, r_lm.identity, layer_map, train_ex, held, cfg, state,
+                     progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
+                                              initial=xs.start, total=steps),
+                     checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
+    FT.save_checkpoint(ckpt, net, state)
+    sources: dict[str, int] = {}
+    for ex in exs:
+        src = ex.task_id.split("/")[0].removeprefix("fit-")
+        sources[src] = sources.get(src, 0) + 1
+    last = state.held[-1] if state.held else {}
+    training = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_examples": len(train_ex),
+                "held_out": [ex.task_id for ex in held], "max_tokens": max_tokens, "steps": state.step, "lr": lr,
+                "seed": seed, "batch": 1, "tau": [cfg.tau0, cfg.tau1], "loss": "answer tokens + end marker",
+                "regime": "shared (both models read the task's context; the receiver answers its prompt)"}
+    metrics = {"held_out_loss": last.get("fused"), "held_out_loss_receiver": last.get("receiver"),
+               "open_layers": last.get("open")}
+    config, tensors = F.to_artefact(net, (receiver, r_lm.identity), (sharer, s_ident), layer_map, training, metrics)
+    folder = artefact.save(out or artefact.default_dir(receiver, sharer, "fuser"), config, tensors)
+    curve = {"train": state.train, "held": state.held, "settings": training}
+    (folder / "loss_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
+    console.print(f"wrote {folder} ({net.n_params:,} parameters, {state.step} steps; held-out answer loss "
+                  f"{last.get('fused', float('nan')):.3f} vs receiver alone {last.get('receiver', float('nan')):.3f}; "
+                  f"{last.get('open', '?')}/{len(layer_map)} gates open)")
 
 
-def _load_pair(receiver: str, sharer: str, threads: int | None, artefact_dir: Path | None):
+def _bridge_for(s_ident, s_tok, r_lm):
+    from kvrelay.fuse.bridge import TokenBridge
+
+    if s_ident.tokenizer_hash == r_lm.identity.tokenizer_hash:
+        return TokenBridge()
+    return TokenBridge(s_tok, r_lm.tokenizer)
+
+
+def _shared_readings(s_lm, tasks, layers: set[int], max_tokens: int, want: int) -> list:
+    """The sharer's features of task contexts, until ``want`` readings fit ``max_tokens`` (None: skipped)."""
+    from tqdm import tqdm
+
+    from kvrelay.fuse import fuser_train as FT
+
+    out: list = []
+    bar = tqdm(total=want, desc=f"sharer reads ({s_lm.name})", unit="task")
+    for t in tasks:
+        r = FT.sharer_pass(s_lm, [t.context], layers, max_tokens)[0]
+        out.append(r)
+        if r is not None:
+            bar.update(1)
+            if sum(x is not None for x in out) >= want:
+                break
+    bar.close()
+    return out
+
+
+def _load_pair(receiver: str, sharer: str, threads: int | None, artefact_dir: Path | None, ridge: bool = True):
     from kvrelay.cli.common import load_for_cli
     from kvrelay.fuse import artefact
     from kvrelay.fuse.ridge import RidgeAdapter
 
     s_lm, r_lm = load_for_cli(sharer, threads), load_for_cli(receiver, threads)
+    if not ridge:
+        return r_lm, s_lm, None
     folder = artefact_dir or artefact.default_dir(receiver, sharer, "ridge")
     return r_lm, s_lm, RidgeAdapter.load(folder, s_lm.tokenizer, r_lm.tokenizer)
 
@@ -100,10 +216,11 @@ def eval_(
                               "arc_challenge, openbookqa, mmlu)"),
     limit: int = typer.Option(32, min=2, help="tasks per set"),
     methods: str = typer.Option(",".join(("receiver", "sharer", "text", "text_full", "ridge")),
-                                help="comma-separated: receiver, sharer, text, text_full, ridge"),
+                                help="comma-separated: receiver, sharer, text, text_full, ridge, fuser"),
     max_new_tokens: int = typer.Option(16, min=1),
     seed: int = typer.Option(0, help="task order seed"),
     artefact_dir: Path | None = typer.Option(None, "--artefact", help="ridge artefact folder (default: committed)"),
+    fuser_dir: Path | None = typer.Option(None, "--fuser", help="fuser artefact folder (default: committed)"),
     json_path: Path | None = typer.Option(None, "--json"),
     records: Path | None = typer.Option(None, help="every trial as JSON lines, written as it lands; an existing "
                                         "file is resumed (its trials are kept, not rerun)"),
@@ -121,13 +238,20 @@ def eval_(
     from kvrelay.cli.app import write_json
 
     task_sets = v.names(tasks, "--tasks", available(), "squad,gen")
-    method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge"), "receiver,ridge")
+    method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge", "fuser"),
+                          "receiver,ridge")
     v.model(receiver, "--receiver")
     v.model(sharer, "--sharer")
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
     v.writable_path(records, "--records")
-    r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
+    r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir, ridge="ridge" in method_list)
+    fuser = None
+    if "fuser" in method_list:
+        from kvrelay.fuse import artefact
+        from kvrelay.fuse.fuser import FuserAdapter
+
+        fuser = FuserAdapter.load(fuser_dir or artefact.default_dir(receiver, sharer, "fuser"), r_lm, s_lm.tokenizer)
     chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
     done = []
     if records and records.is_file():  # resume: keep the trials already written
@@ -147,10 +271,11 @@ def eval_(
 
     trials = run_tasks(r_lm, s_lm, adapter, chosen, method_list,
                        max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"),
-                       done=done, sink=sink)
+                       done=done, sink=sink, fuser=fuser)
     out = summarize(trials, receiver, sharer)
     out["settings"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
-                       "adapter": f"{adapter.name}@{adapter.fingerprint[:16]}"}  # `command` (the argv): write_json
+                       "adapter": adapter and f"{adapter.name}@{adapter.fingerprint[:16]}",
+                       "fuser": fuser and f"{fuser.name}@{fuser.fingerprint[:16]}"}  # `command` (the argv): write_json
     _print(out, receiver, sharer)
     write_json(json_path, out)
 
