@@ -18,7 +18,7 @@ BENCH = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
 
 def main() -> int:
-    paths = sorted(BENCH.glob("engine_*_*.json"))
+    paths = sorted(p for p in BENCH.glob("engine_*_*.json") if not p.name.startswith("engine_modes_"))
     for path in paths:
         res = json.loads(path.read_text())
         again = report(res["raw"], model=res["model"], command=res["command"],

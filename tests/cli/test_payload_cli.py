@@ -36,11 +36,12 @@ def relay_answer(model: str, ctx, tmp_path, *extra: str) -> dict:
 def split_relay(model: str, ctx, tmp_path, *extra: str) -> tuple[str, str]:
     """(answer through a store key, answer through a payload file), each read and answered in separate processes."""
     store = tmp_path / "store"
-    key = kvrelay("read", "--model", model, "--context", str(ctx), "--store", str(store)).stdout.strip()
+    key = kvrelay("read", "--model", model, "--context", str(ctx), "--store", str(store), "--codec", "raw").stdout.strip()
     assert key.startswith("kvrelay/1:")
     by_key = kvrelay("respond", "--model", model, "--key", key, "--store", str(store), "--question", QUESTION,
                      *extra).stdout.strip()
-    path = kvrelay("read", "--model", model, "--context", str(ctx), "--out", str(tmp_path / "p.kv")).stdout.strip()
+    path = kvrelay("read", "--model", model, "--context", str(ctx), "--out", str(tmp_path / "p.kv"),
+                   "--codec", "raw").stdout.strip()
     by_file = kvrelay("respond", "--model", model, "--payload", path, "--question", QUESTION, *extra).stdout.strip()
     return by_key, by_file
 
@@ -62,6 +63,19 @@ def test_respond_refuses_another_models_payload_with_one_error_line(tmp_path):
     r = kvrelay("respond", "--model", "tiny:qwen2", "--payload", str(tmp_path / "none.kv"), "--question", "x",
                 check=False)
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_read_sends_fp16_unless_told_and_the_answer_survives(tmp_path):
+    path = kvrelay("read", "--model", "tiny:qwen2", "--context-text", CONTEXT, "--out", str(tmp_path / "p.kv")).stdout
+    d = json.loads(kvrelay("inspect", path.strip(), "--json", "-").stdout)
+    assert d["codec"] == "fp16" and d["status"] == "ok"
+    raw = kvrelay("read", "--model", "tiny:qwen2", "--context-text", CONTEXT, "--out", str(tmp_path / "r.kv"),
+                  "--codec", "raw").stdout
+    r = json.loads(kvrelay("inspect", raw.strip(), "--json", "-").stdout)
+    assert r["codec"] == "raw" and r["bytes"]["kv"] == 2 * d["bytes"]["kv"]  # half the K/V bytes
+    answers = {kvrelay("respond", "--model", "tiny:qwen2", "--payload", p.strip(), "--question", QUESTION,
+                       "--max-new-tokens", "8").stdout for p in (path, raw)}
+    assert len(answers) == 1  # the receiver casts fp16 back to its dtype and answers the same
 
 
 @pytest.mark.parametrize("codec", ["raw", "int8"])

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvrelay.core.errors import WorkerError
+from kvrelay.kv import codecs
 from kvrelay.models.loader import load_model
 from kvrelay.workflows.executors import InProcessExecutor
 from kvrelay.workflows.process_executor import ProcessExecutor
@@ -36,12 +37,18 @@ def in_process(lm):
     """Reference outputs: raw in process (the object itself handed over) and int8 through a memory store."""
     wf = _chain()
     return {"raw": run_workflow(lm, wf, CONTEXT), "int8": run_workflow(InProcessExecutor(lm, codec="int8"), wf, CONTEXT),
+            "fp16": run_workflow(InProcessExecutor(lm, codec="fp16"), wf, CONTEXT),
             "text": run_workflow(lm, wf, CONTEXT, mode="text")}
+
+
+def test_in_process_codec_defaults_to_the_wire_codec_only_through_a_store(lm, tmp_path):
+    assert InProcessExecutor(lm).codec == "raw" and InProcessExecutor(lm).store is None  # objects handed over
+    assert InProcessExecutor(lm, store=str(tmp_path / "s")).codec == codecs.WIRE_CODEC
 
 
 def test_in_process_store_edges_equal_direct_hand_over(lm, in_process, tmp_path):
     wf = _chain()
-    raw = run_workflow(InProcessExecutor(lm, store=str(tmp_path / "s")), wf, CONTEXT)
+    raw = run_workflow(InProcessExecutor(lm, store=str(tmp_path / "s"), codec="raw"), wf, CONTEXT)
     assert raw.outputs() == in_process["raw"].outputs() == in_process["text"].outputs()
     kv = [a for a in raw.agents if a.channel == "kv"]
     assert len(kv) == 2 and all(a.relay_transfer_s > 0 and a.relayed_tokens > 0 for a in kv)
@@ -64,6 +71,9 @@ def test_agents_in_separate_processes_exchange_payloads_only_through_a_store(whe
     wf = _chain()
     with ProcessExecutor(MODEL, wf, store=url) as ex:
         assert len(set(ex.pids.values())) == 3 and os.getpid() not in ex.pids.values()
+        assert ex.codec == codecs.WIRE_CODEC == "fp16"  # across processes payloads go as fp16 unless told
+        _check_against(run_workflow(ex, wf, CONTEXT), in_process["fp16"])
+        ex.set_codec("raw")
         _check_against(run_workflow(ex, wf, CONTEXT), in_process["raw"])
         ex.set_codec("int8")
         _check_against(run_workflow(ex, wf, CONTEXT), in_process["int8"])

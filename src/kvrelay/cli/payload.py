@@ -67,7 +67,9 @@ def read_cmd(
     out: Path = typer.Option(None, help="write the payload to this kvrelay/1 file (prints the path)"),
     store: str = typer.Option(None, help="put the payload in this store (file:///DIR, DIR, redis://HOST:PORT/DB); "
                               "prints its key"),
-    codec: str = typer.Option("raw", help="encode the payload first (kv.codecs: fp16, int8, int4, evict:F, ...)"),
+    codec: str = typer.Option("fp16", help="encode the payload first (kv.codecs: raw, fp16, int8, int4, evict:F, "
+                              "...); fp16 halves the bytes with the same greedy answers as raw in our "
+                              "measurements (docs/codecs.md), raw is bit-exact"),
     ttl: float = typer.Option(None, help="seconds the store keeps it (default: until deleted)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:

@@ -113,8 +113,9 @@ def pipeline(
     store: str = typer.Option(None, help="store URL every kv edge goes through (file:///DIR, a folder, "
                               "redis://HOST:PORT/DB, memory:// in process; docs/payloads.md); process backend "
                               "default: a temporary folder"),
-    codec: str = typer.Option("raw", help="codec of payloads through the store (docs/codecs.md: fp16, int8, int4, "
-                              "evict:F, ...)"),
+    codec: str = typer.Option("auto", help="codec of payloads through the store (docs/codecs.md: raw, fp16, int8, "
+                              "int4, evict:F, ...); auto: fp16 through a store or between processes, payloads "
+                              "handed over as objects otherwise"),
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ) -> None:
@@ -134,6 +135,7 @@ def pipeline(
     v.positive(threads, "--threads")
     v.choice(backend, "--backend", BACKENDS)
     check_store(backend, store, codec)
+    codec = resolve_codec(backend, store, codec)
     v.engine(engine)
     v.writable_path(json_path, "--json")
     ref = v.model(model)
@@ -160,11 +162,23 @@ def pipeline(
             console.print(f"wrote {plot_pipeline(res, json_path.with_suffix('.png'))}")
 
 
+def resolve_codec(backend: str, store: str | None, codec: str) -> str:
+    """``auto``: the wire default (``kv.codecs.WIRE_CODEC``) when payloads cross a store or a process, else
+    ``raw`` (handed over as objects, in process or through Ray's object store)."""
+    from kvrelay.kv.codecs import WIRE_CODEC
+
+    if codec != "auto":
+        return codec
+    return WIRE_CODEC if (store is not None or backend == "process") else "raw"
+
+
 def check_store(backend: str, store: str | None, codec: str) -> None:
     from kvrelay.kv.codecs import available_codecs, parse
 
-    v.parsed_names(codec, "--codec", parse, "one codec name (docs/codecs.md: " + ", ".join(available_codecs()) + ")")
-    if backend == "ray" and (store or codec != "raw"):
+    if codec != "auto":
+        v.parsed_names(codec, "--codec", parse,
+                       "auto or one codec name (docs/codecs.md: " + ", ".join(available_codecs()) + ")")
+    if backend == "ray" and (store or codec not in ("raw", "auto")):
         raise v.InvalidInput("--store/--codec do not apply to --backend ray (Ray actors hand payloads over through "
                              "Ray's object store)", "--backend inprocess or process with --store/--codec")
     if store is not None:

@@ -42,6 +42,10 @@ from kvrelay.kv.quant import QuantizedPayload, dequantize, quantize
 from kvrelay.kv.transforms import select_layers, to_dtype
 
 DEFAULT_GROUP = 32
+# What a payload leaving its process is sent as unless the caller names a codec: half the bytes of
+# fp32 and, measured, the same greedy answers (docs/codecs.md, "The default on the wire"). Library
+# calls (``compress``, ``put_payload``) take the codec they are given and default to lossless ``raw``.
+WIRE_CODEC = "fp16"
 _FLOATS = {"raw": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _EVICT = {"evict": ("layerwise", False), "evict-h": ("headwise", False), "evict-s": ("shared", False),
           "evict-obf": ("layerwise", True), "evict-h-obf": ("headwise", True), "evict-s-obf": ("shared", True)}

@@ -14,7 +14,7 @@ one-token matmuls (decode steps and the last-position lm-head) differ. A tied lm
 its fp32 weight with the embedding; its compact copy is made once.
 
 Modes: ``fp32`` (no swap), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``, per-row
-symmetric int8 weights, fp16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``, asymmetric
+symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``, asymmetric
 int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape rules use
 int8). The mode is part of a model's identity (``ModelIdentity.engine``): caches made in one mode
 are refused by another unless accepted explicitly (``kvrelay.fuse.engine``).
@@ -42,7 +42,7 @@ MODES = {m.name: m for m in (
     EngineMode("fp32", "fp32 weights in both phases", 4.0, True),
     EngineMode("bf16", "fp32 prefill; bf16 weights and activations for one-token calls", 2.0, False),
     EngineMode("fp16", "fp32 prefill; fp16 weights and activations for one-token calls", 2.0, False),
-    EngineMode("int8", "fp32 prefill; per-row int8 weights (fp16 activations) for one-token calls", 1.0, False),
+    EngineMode("int8", "fp32 prefill; per-row int8 weights (bf16 activations) for one-token calls", 1.0, False),
     EngineMode("int4", f"fp32 prefill; int4 weights in groups of {INT4_GROUP} (bf16 activations) "
                        "for one-token calls", 0.5 + 4 / INT4_GROUP, False),
 )}
@@ -103,7 +103,7 @@ class PhaseLinear(nn.Linear):
             self.act = torch.bfloat16 if kind == "bf16" else torch.float16
             self.register_buffer("w_c", w.to(self.act), persistent=False)  # (N, K)
         elif kind == "int8":
-            self.act = torch.float16
+            self.act = torch.bfloat16  # the kernel's fp16 path is up to 24x slower on some CPUs (docs/engine.md)
             q, s = _int8_rows(w, self.act)
             self.register_buffer("w_c", q, persistent=False)  # (N, K) int8
             self.register_buffer("s_c", s, persistent=False)  # (N,)

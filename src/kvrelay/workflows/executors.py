@@ -52,10 +52,13 @@ class InProcessExecutor:
     ``relay_transfer_s`` = 0). With a ``store`` URL, or any other ``codec`` (then a private
     ``memory://`` store), every relayed payload is put there encoded with ``codec`` and the receiver
     gets it back by key (``transport.stores.put_payload`` / ``get_payload``), timed as the transfer.
+    ``codec`` None: ``kv.codecs.WIRE_CODEC`` through a store, ``raw`` without one.
     """
 
-    def __init__(self, lm, *, store: str | None = None, codec: str = "raw"):
+    def __init__(self, lm, *, store: str | None = None, codec: str | None = None):
         self.lm = lm
+        if codec is None:
+            codec = codecs.WIRE_CODEC if store is not None else "raw"
         self.codec = codecs.parse(codec).name
         if store is None and self.codec != "raw":
             store = f"memory://kvrelay-inprocess-{secrets.token_hex(4)}"

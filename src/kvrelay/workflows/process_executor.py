@@ -75,11 +75,12 @@ class ProcessExecutor:
     """One worker process per agent of ``wf``, started once (``start`` resets their agents per run).
 
     ``model``: any ``load_model`` name (every worker loads it itself). ``store``: a URL every worker
-    can open (not ``memory://``). ``codec``: what senders encode payloads with (``kv.codecs``); it
+    can open (not ``memory://``). ``codec``: what senders encode payloads with (``kv.codecs``; default
+    the wire default ``WIRE_CODEC``, fp16); it
     travels with each turn request, so ``set_codec`` changes it between runs.
     """
 
-    def __init__(self, model: str, wf: Workflow, *, store: str, codec: str = "raw", threads: int = 1,
+    def __init__(self, model: str, wf: Workflow, *, store: str, codec: str = codecs.WIRE_CODEC, threads: int = 1,
                  engine: str = "fp32", python: str = sys.executable):
         if str(store).startswith("memory://"):
             raise ValueError(f"store {store!r} lives in one process; worker processes need file:///DIR or "
