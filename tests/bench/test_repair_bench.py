@@ -63,3 +63,20 @@ def test_cli_writes_the_contract_rows_and_a_plot(tmp_path):
         (c, m) for c in ("variant", "replace") for m in ("raw", "recompute:tokens=1", "reprefill")}
     assert all(set(FIELDS) <= set(row) for row in rows)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.network
+def test_squad_long_hides_one_passage_among_other_articles():
+    from kvrelay.audit.tasks.datasets import load_tasks
+    from kvrelay.audit.tasks.task import approx_tokens
+    from kvrelay.bench.repair import squad_long
+
+    first = load_tasks("squad", seed=0)[:4]
+    long = squad_long(4, 600, seed=0)
+    assert [t.prompt for t in long] == [t.prompt for t in first] and [t.answers for t in long] == [t.answers for t in first]
+    for short, t in zip(first, long, strict=True):
+        parts = t.context.split("\n\n")
+        covs = dict(t.covariates)
+        assert parts[covs["target_index"]] == short.context and parts.count(short.context) == 1
+        assert approx_tokens(t.context) >= 600 and len(parts) == covs["passages"] > 1
+    assert squad_long(4, 600, seed=0) == long and squad_long(4, 600, seed=1) != long

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def test_full_recompute_is_the_receivers_own_prefill(pair, spec):
     own = Agent(receiver).prefill(ids)
     agent = Agent(receiver, "worker", max_new_tokens=6, adapter=repair_adapter(receiver, spec))
     repaired = agent.check(relayed)
-    assert _max_err(repaired, own) < 1e-5
+    assert _max_err(repaired, own) == 0.0  # the decoder's own forward: bit for bit
     assert repaired.meta.model_fingerprint == receiver.identity.fingerprint
     assert repaired.meta.adapter.startswith("recompute@")
     text = Agent(receiver, "worker", max_new_tokens=6).respond(PROMPT, relayed.token_ids)
@@ -68,6 +70,18 @@ def test_partial_recompute_fixes_the_check_layers_and_shrinks_the_rest(pair):
     assert stats.budget == pytest.approx((2 * n + 2 * len(stats.chosen)) / (4 * n))
     untouched = sorted(set(range(n)) - set(stats.chosen))
     assert torch.equal(repaired.keys[3][:, :, untouched], relayed.keys[3][:, :, untouched])
+    assert stats.cost == pytest.approx((2 * n + 4 * len(stats.chosen)) / (4 * n), abs=1e-6)  # chosen: every layer
+
+
+def test_a_prefix_that_is_not_the_receivers_own_cache_is_refused(pair):
+    receiver, sender = pair
+    ids = Agent(receiver).reading_ids(TEXT)
+    foreign = Agent(sender).prefill(ids)
+    with pytest.raises(ValueError, match="not the receiver's own cache"):
+        selective_recompute(receiver.model, foreign, RecomputePlan(2, 0.3), exact_prefix=5)
+    gapped = replace(foreign, positions=foreign.positions + (torch.arange(foreign.num_tokens) >= 4).long())
+    with pytest.raises(ValueError, match="consecutive"):
+        selective_recompute(receiver.model, gapped, RecomputePlan(2, 0.3))
 
 
 def test_a_sibling_payload_without_a_named_repair_is_refused(pair):

@@ -17,9 +17,10 @@ generated tokens equal re-prefill's) and median TTFT (cache build — repair inc
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.tasks.scoring import score
-from kvrelay.audit.tasks.task import Task
+from kvrelay.audit.tasks.task import Task, approx_tokens
 from kvrelay.fuse.adapter import IdentityAdapter
 from kvrelay.fuse.repair import parse_repair, repair_adapter
 
@@ -49,6 +50,41 @@ class Trial:
     ttft_s: float
     budget: float
     context_tokens: int
+
+
+def squad_long(n: int, context_tokens: int, seed: int = 0) -> list[Task]:
+    """``n`` SQuAD questions whose passage sits, at a seeded random place, among passages of other articles
+    until the document is about ``context_tokens`` long (``approx_tokens``): a question about one
+    article in a long report.
+
+    Questions are the first ``n`` of SQuAD's seed-0 order; filler passages come from the rest of the
+    first ``QA_SKIP`` (the ``qa`` variant trains on the tasks after those, ``bench.train_variants``).
+    """
+    from kvrelay.audit.tasks.datasets import load_tasks
+    from kvrelay.bench.train_variants import QA_SKIP
+
+    pool = load_tasks("squad", seed=0)[:QA_SKIP]
+    if not 0 < n < len(pool) // 2:
+        raise ValueError(f"squad_long takes 1..{len(pool) // 2 - 1} questions, got {n}")
+    title = lambda t: dict(t.covariates).get("title")  # noqa: E731
+    filler = list({t.context: t for t in pool[n:]}.values())
+    rng = random.Random(f"squad_long|{seed}")
+    out = []
+    for t in pool[:n]:
+        others = [f.context for f in filler if title(f) != title(t) and f.context != t.context]
+        rng.shuffle(others)
+        parts, size = [t.context], approx_tokens(t.context)
+        for passage in others:
+            if size >= context_tokens:
+                break
+            parts.append(passage)
+            size += approx_tokens(passage)
+        parts.insert(rng.randrange(len(parts)), parts.pop(0))
+        covs = dict(t.covariates) | {"doc_tokens": approx_tokens("\n\n".join(parts)), "passages": len(parts),
+                                     "target_index": parts.index(t.context)}
+        out.append(replace(t, id=f"{t.id}@{context_tokens}", task="squad_long", context="\n\n".join(parts),
+                           covariates=covs))
+    return out
 
 
 def _budget(method: str, num_layers: int, relayed: int, profile=None, sender_fp: str = "",

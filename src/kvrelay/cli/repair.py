@@ -20,7 +20,14 @@ def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(";") if x.strip()]
 
 
-def _tasks(n: int, context_tokens: int, seed: int):
+TASK_SETS = ("gen", "squad")
+
+
+def _tasks(n: int, context_tokens: int, seed: int, kind: str = "gen"):
+    if kind == "squad":
+        from kvrelay.bench.repair import squad_long
+
+        return squad_long(n, context_tokens, seed)
     from kvrelay.audit.tasks.generated import generate
 
     return generate(n, seed=seed, name="gen_repair", doc_tokens=context_tokens, n_distractors=0)
@@ -49,7 +56,9 @@ def repair(
     methods: str = typer.Option("raw;recompute:tokens=0.05;recompute:tokens=0.12;recompute:layers=0-3;reprefill",
                                 help="';'-separated: raw, reprefill, or a repair spec recompute:layers=A-B|auto:K,"
                                      "tokens=F"),
-    n: int = typer.Option(20, min=2, help="tasks (generated records; the receiver answers a number)"),
+    tasks: str = typer.Option("gen", help="gen: generated records (the receiver answers a number); squad: a SQuAD "
+                              "question whose passage sits among other articles' passages (bench.repair.squad_long)"),
+    n: int = typer.Option(20, min=2, help="tasks"),
     context_tokens: int = typer.Option(2048, min=64, help="approximate document length"),
     seed: int = typer.Option(0),
     max_new_tokens: int = typer.Option(12, min=1),
@@ -66,6 +75,7 @@ def repair(
     from kvrelay.fuse.repair import parse_repair
 
     case_list = v.names(cases, "--cases", CASES, "variant,replace")
+    v.choice(tasks, "--tasks", TASK_SETS)
     method_list = _split(methods)
     for m in method_list:
         if m not in ("raw", "reprefill"):
@@ -78,7 +88,7 @@ def repair(
     for name in ((sender, receiver) if "variant" in case_list else ()) + ((model,) if "replace" in case_list else ()):
         v.model(name)
     prof = load_profile(profile) if profile else None
-    tasks = _tasks(n, context_tokens, seed)
+    task_list = _tasks(n, context_tokens, seed, tasks)
     rows, meta = [], {}
     for case in case_list:
         if case == "variant":
@@ -87,13 +97,13 @@ def repair(
         else:
             s_lm = r_lm = load_for_cli(model, threads)
             meta[case] = {"model": model}
-        rows += summarize(case, run_case(case, s_lm, r_lm, tasks, method_list, max_new_tokens=max_new_tokens,
+        rows += summarize(case, run_case(case, s_lm, r_lm, task_list, method_list, max_new_tokens=max_new_tokens,
                                          profile=prof if case == "variant" else None))
     print_rows(rows)
     met = target_met(rows)
     console.print(f"budget <= 0.2, paired CI within +-2 points, >= 3x lower TTFT: {met}")
     if json_path:
-        out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair", "n": n, "context_tokens": context_tokens,
+        out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n, "context_tokens": context_tokens,
                                                       "seed": seed}, "target_met": met}
         write_json(json_path, out, console=console)
         plot(rows, json_path.with_suffix(".png"))
