@@ -131,32 +131,39 @@ def train(
     r_lm = load_for_cli(receiver, threads)
     layer_map = align.depth_proportional(r_lm.identity.num_layers, s_ident.num_layers)
     kept = [(t, s) for t, s in zip(tasks, shared, strict=False) if s is not None][:examples]
-    exs = FT.receiver_pass(r_lm, [t for t, _ in kept], [s for _, s in kept], _bridge_for(s_ident, s_tok, r_lm),
-                           progress=lambda xs: tqdm(xs, desc=f"receiver reads ({receiver})", unit="task"))
-    held, train_ex = exs[:held_out], exs[held_out:]
-    feat = next(iter(train_ex[0].feats.values())).shape[-1]
-    net = F.FuserNet(r_lm.identity.num_layers, feat, r_lm.identity.num_kv_heads, r_lm.identity.head_dim, rank)
+    kept_ids = [t.id for t, _ in kept]
     ckpt = work / f"ckpt_rank{rank}_seed{seed}.pt"
-    state = None
-    if ckpt.is_file():
+    if FT.checkpoint_step(ckpt) >= steps:  # nothing left to train: the artefact from the checkpoint
+        net = FT.net_from_checkpoint(ckpt)
         state = FT.load_checkpoint(ckpt, net)
-        console.print(f"resuming {ckpt} at step {state.step}")
+        console.print(f"{ckpt} has {state.step} steps (>= --steps {steps}): writing its artefact")
     else:
-        FT.standardise(net, train_ex, layer_map)
-    cfg = FT.TrainConfig(steps=steps, lr=lr, seed=seed, eval_every=eval_every)
-    state = FT.train(net, r_lm.model, r_lm.identity, layer_map, train_ex, held, cfg, state,
-                     progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
-                                              initial=xs.start, total=steps),
-                     checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
-    FT.save_checkpoint(ckpt, net, state)
+        exs = _receiver_examples(r_lm, kept, s_ident, s_tok, work / f"receiver_{examples}_{max_tokens}.pt")
+        held, train_ex = exs[:held_out], exs[held_out:]
+        feat = next(iter(train_ex[0].feats.values())).shape[-1]
+        net = F.FuserNet(r_lm.identity.num_layers, feat, r_lm.identity.num_kv_heads, r_lm.identity.head_dim, rank)
+        state = None
+        if ckpt.is_file():
+            state = FT.load_checkpoint(ckpt, net)
+            console.print(f"resuming {ckpt} at step {state.step}")
+        else:
+            FT.standardise(net, train_ex, layer_map)
+        cfg = FT.TrainConfig(steps=steps, lr=lr, seed=seed, eval_every=eval_every)
+        state = FT.train(net, r_lm.model, r_lm.identity, layer_map, train_ex, held, cfg, state,
+                         progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
+                                                  initial=xs.start, total=steps),
+                         checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
+        FT.save_checkpoint(ckpt, net, state)
     sources: dict[str, int] = {}
-    for ex in exs:
-        src = ex.task_id.split("/")[0].removeprefix("fit-")
+    for tid in kept_ids:
+        src = tid.split("/")[0].removeprefix("fit-")
         sources[src] = sources.get(src, 0) + 1
     last = state.held[-1] if state.held else {}
-    training = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_examples": len(train_ex),
-                "held_out": [ex.task_id for ex in held], "max_tokens": max_tokens, "steps": state.step, "lr": lr,
-                "seed": seed, "batch": 1, "tau": [cfg.tau0, cfg.tau1], "loss": "answer tokens + end marker",
+    taus = [r["tau"] for r in state.train]
+    training = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_examples": len(kept_ids) - held_out,
+                "held_out": kept_ids[:held_out], "max_tokens": max_tokens, "steps": state.step, "lr": lr,
+                "seed": seed, "batch": 1, "tau": [taus[0], taus[-1]] if taus else None,
+                "loss": "answer tokens + end marker",
                 "regime": "shared (both models read the task's context; the receiver answers its prompt)"}
     metrics = {"held_out_loss": last.get("fused"), "held_out_loss_receiver": last.get("receiver"),
                "open_layers": last.get("open")}
@@ -167,6 +174,24 @@ def train(
     console.print(f"wrote {folder} ({net.n_params:,} parameters, {state.step} steps; held-out answer loss "
                   f"{last.get('fused', float('nan')):.3f} vs receiver alone {last.get('receiver', float('nan')):.3f}; "
                   f"{last.get('open', '?')}/{len(layer_map)} gates open)")
+
+
+def _receiver_examples(r_lm, kept, s_ident, s_tok, path: Path) -> list:
+    """The receiver's pass over the kept tasks (``fuser_train.receiver_pass``), cached in ``path``."""
+    import torch
+    from tqdm import tqdm
+
+    from kvrelay.fuse import fuser_train as FT
+
+    key = [r_lm.identity.fingerprint, s_ident.fingerprint, [t.id for t, _ in kept]]
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if saved["key"] == key:
+            return saved["examples"]
+    exs = FT.receiver_pass(r_lm, [t for t, _ in kept], [s for _, s in kept], _bridge_for(s_ident, s_tok, r_lm),
+                           progress=lambda xs: tqdm(xs, desc=f"receiver reads ({r_lm.name})", unit="task"))
+    torch.save({"key": key, "examples": exs}, path)
+    return exs
 
 
 def _bridge_for(s_ident, s_tok, r_lm):

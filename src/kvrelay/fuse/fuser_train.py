@@ -211,6 +211,16 @@ def save_checkpoint(path: Path, net: FuserNet, state: TrainState) -> None:
     tmp.replace(path)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint reached (0 when there is none)."""
+    return int(torch.load(path, weights_only=False)["step"]) if Path(path).is_file() else 0
+
+
+def net_from_checkpoint(path: Path) -> FuserNet:
+    """A fuser shaped and filled from a checkpoint alone (no training data needed)."""
+    return FuserNet.from_tensors(torch.load(path, weights_only=False)["net"])
+
+
 def load_checkpoint(path: Path, net: FuserNet) -> TrainState:
     d = torch.load(path, weights_only=False)
     net.load_state_dict(d["net"])
