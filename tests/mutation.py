@@ -9,7 +9,8 @@ Each module runs in its own copy of the repository under ``out/mutation/<module>
 the copy, never the work tree), with one torch thread so forked test workers are safe. Results
 merge into ``docs/mutation.json``::
 
-    {"modules": {NAME: {"killed", "total"}}, "survivors": [{"module", "line", "mutation", "why_acceptable"}]}
+    {"modules": {NAME: {"killed", "total"}},
+     "survivors": [{"module", "source", "line", "mutation", "why_acceptable"}]}
 
 and the table of ``docs/mutation.md``. A surviving mutant must be explained in
 ``tests/mutation_survivors.toml`` (matched by module and mutated line); an unexplained one makes
@@ -42,20 +43,27 @@ KILLED = {"killed", "timeout", "segfault", "caught by type check"}  # the tests 
 
 @dataclass(frozen=True)
 class Module:
-    source: str  # path under src/
+    sources: tuple[str, ...]  # paths under src/: one file, or the files one module is split into
     tests: tuple[str, ...]  # pytest selections (files or node ids): fast unit tests only
-    functions: tuple[str, ...] = ()  # mutate only these functions (default: the whole file)
-
-    @property
-    def dotted(self) -> str:
-        return self.source.removesuffix(".py").replace("/", ".")
+    functions: tuple[str, ...] = ()  # mutate only these functions, wherever defined (default: the whole files)
 
     def patterns(self) -> list[str]:
         """mutmut mutant-name globs (``pkg.mod.x_<function>__mutmut_<n>``) of the mutants in scope."""
-        return [f"{self.dotted}.x_{f}__mutmut_*" for f in self.functions] or [f"{self.dotted}.*"]
+        return ([f"{_dotted(s)}.x_{f}__mutmut_*" for s in self.sources for f in self.functions]
+                or [f"{_dotted(s)}.*" for s in self.sources])
+
+    def source_of(self, mutant: str) -> str:
+        """The source file that mutant ``pkg.mod.x_<function>__mutmut_<n>`` mutates."""
+        return next(s for s in self.sources if _dotted(s) == mutant.rsplit(".", 1)[0])
 
 
-# kv/wire.py: the read side only (decode and everything it validates with); writers are not an attack surface
+def _dotted(source: str) -> str:
+    return source.removesuffix(".py").replace("/", ".")
+
+
+# kv/wire_header.py + kv/wire_decode.py: the read side only (decode and everything it validates with);
+# writers (kv/wire_encode.py) are not an attack surface
+WIRE_SOURCES = ("kvrelay/kv/wire_header.py", "kvrelay/kv/wire_decode.py")
 WIRE_DECODE = ("_tensor_digest", "_root_digest", "_parse_header", "_parse_entry", "_is_hex_digest", "_read",
                "_payload_meta", "_check_expected", "_held", "_check_layout", "_layer_positions", "_token_range",
                "_slots", "_decode", "decode")
@@ -63,16 +71,16 @@ WIRE_DECODE = ("_tensor_digest", "_root_digest", "_parse_header", "_parse_entry"
 
 STATS_UNITS = "mcnemar or tost_ or cluster or holm or wilcoxon or bca or paired_test"  # no summary fixtures
 MODULES = {
-    "kv.transforms": Module("kvrelay/kv/transforms.py", ("tests/kv/test_transforms.py",)),
-    "kv.layout": Module("kvrelay/kv/layout.py", ("tests/kv/test_rules.py",)),
-    "kv.wire": Module("kvrelay/kv/wire.py", ("tests/kv/test_wire.py", "tests/kv/test_wire_hostile.py"), WIRE_DECODE),
-    "kv.compat": Module("kvrelay/kv/compat.py", ("tests/kv/test_rules.py",)),
-    "agents.receive": Module("kvrelay/agents/receive.py", ("tests/agents/test_receive.py",)),
-    "audit.hypothesis": Module("kvrelay/audit/hypothesis.py", ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
-    "audit.bootstrap": Module("kvrelay/audit/bootstrap.py", ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
-    "audit.partners": Module("kvrelay/audit/partners.py", ("tests/audit/test_arms.py", "-k", "partner")),
-    "audit.arms": Module("kvrelay/audit/arms.py", ("tests/audit/test_arms.py", "-k", "not runner and not mismatch_partner and not mismatched_is")),
-    "transport.keys": Module("kvrelay/transport/keys.py", ("tests/transport/test_keys.py",)),
+    "kv.transforms": Module(("kvrelay/kv/transforms.py",), ("tests/kv/test_transforms.py",)),
+    "kv.layout": Module(("kvrelay/kv/layout.py",), ("tests/kv/test_rules.py",)),
+    "kv.wire": Module(WIRE_SOURCES, ("tests/kv/test_wire.py", "tests/kv/test_wire_hostile.py"), WIRE_DECODE),
+    "kv.compat": Module(("kvrelay/kv/compat.py",), ("tests/kv/test_rules.py",)),
+    "agents.receive": Module(("kvrelay/agents/receive.py",), ("tests/agents/test_receive.py",)),
+    "audit.hypothesis": Module(("kvrelay/audit/hypothesis.py",), ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
+    "audit.bootstrap": Module(("kvrelay/audit/bootstrap.py",), ("tests/audit/test_stats.py", "-k", STATS_UNITS)),
+    "audit.partners": Module(("kvrelay/audit/partners.py",), ("tests/audit/test_arms.py", "-k", "partner")),
+    "audit.arms": Module(("kvrelay/audit/arms.py",), ("tests/audit/test_arms.py", "-k", "not runner and not mismatch_partner and not mismatched_is")),
+    "transport.keys": Module(("kvrelay/transport/keys.py",), ("tests/transport/test_keys.py",)),
 }
 
 
@@ -84,7 +92,7 @@ def _prepare(name: str, mod: Module) -> Path:
     shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     config = {
         "source_paths": ["src"],
-        "only_mutate": [f"src/{mod.source}"],
+        "only_mutate": [f"src/{s}" for s in mod.sources],
         "pytest_add_cli_args_test_selection": list(mod.tests),
         "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
     }
@@ -134,7 +142,9 @@ def _statuses(work: Path, mod: Module) -> dict[str, str]:
     was stopped before testing it again keeps its earlier verdict."""
     from mutmut.stats import status_by_exit_code
 
-    codes = json.loads((work / "mutants" / "src" / (mod.source + ".meta")).read_text())["exit_code_by_key"]
+    codes = {}
+    for s in mod.sources:
+        codes |= json.loads((work / "mutants" / "src" / (s + ".meta")).read_text())["exit_code_by_key"]
     reopened_file = work / "reopened.json"
     reopened = set(json.loads(reopened_file.read_text())) if reopened_file.exists() else set()
     out = {}
@@ -147,14 +157,17 @@ def _statuses(work: Path, mod: Module) -> dict[str, str]:
 def _reopen_survivors(work: Path, mod: Module) -> list[str]:
     """Forget the verdicts of the surviving mutants of a finished run (so they are tested again) and
     bring in the current tests; returns their names. The source is unchanged, so the rest stand."""
-    meta = work / "mutants" / "src" / (mod.source + ".meta")
-    d = json.loads(meta.read_text())
-    codes = d["exit_code_by_key"]
-    again = [k for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in mod.patterns())
-             and (v is None or v == 0 or v == 5)]  # 0: survived, 5: no tests ran
-    for k in again:
-        codes[k] = None
-    meta.write_text(json.dumps(d))
+    again = []
+    for s in mod.sources:
+        meta = work / "mutants" / "src" / (s + ".meta")
+        d = json.loads(meta.read_text())
+        codes = d["exit_code_by_key"]
+        mine = [k for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in mod.patterns())
+                and (v is None or v == 0 or v == 5)]  # 0: survived, 5: no tests ran
+        for k in mine:
+            codes[k] = None
+        meta.write_text(json.dumps(d))
+        again += mine
     (work / "reopened.json").write_text(json.dumps(again))  # a stopped recheck still knows they survived before
     shutil.rmtree(work / "tests")
     shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
@@ -174,7 +187,7 @@ def run_module(name: str, workers: int, recheck: bool = False, report_only: bool
             _mutmut(work, "run", "--max-children", str(workers), *names)
     else:
         work = _prepare(name, mod)
-        print(f"[{name}] mutating src/{mod.source} against {' '.join(mod.tests)}", flush=True)
+        print(f"[{name}] mutating {' '.join('src/' + s for s in mod.sources)} against {' '.join(mod.tests)}", flush=True)
         _mutmut(work, "run", "--max-children", str(workers), *mod.patterns())
     status = _statuses(work, mod)
     if not status:
@@ -183,11 +196,12 @@ def run_module(name: str, workers: int, recheck: bool = False, report_only: bool
     status = {k: s for k, s in status.items() if s != "not checked"}
     killed = sum(s in KILLED for s in status.values())
     survivors = []
-    funcs = _functions(work / "mutants" / "src" / mod.source)
+    funcs = {s: _functions(work / "mutants" / "src" / s) for s in mod.sources}
     for mutant, s in sorted(status.items()):
         if s not in KILLED:
-            line, mutation = _mutation_of(funcs, mutant, ROOT / "src" / mod.source)
-            survivors.append({"module": name, "line": line, "mutation": mutation, "status": s})
+            src = mod.source_of(mutant)
+            line, mutation = _mutation_of(funcs[src], mutant, ROOT / "src" / src)
+            survivors.append({"module": name, "source": f"src/{src}", "line": line, "mutation": mutation, "status": s})
     print(f"[{name}] killed {killed}/{len(status)}" + (f" ({unchecked} not run)" if unchecked else ""), flush=True)
     counts = {"killed": killed, "total": len(status)}
     return (counts | {"not_run": unchecked}) if unchecked else counts, survivors
@@ -242,7 +256,7 @@ def main(argv: list[str]) -> int:
         report["modules"][name] = counts
         report["survivors"] = [s for s in report["survivors"] if s["module"] != name] + survivors
         missing = _explain(report["survivors"])
-        report["survivors"].sort(key=lambda s: (s["module"], s["line"]))
+        report["survivors"].sort(key=lambda s: (s["module"], s["source"], s["line"]))
         REPORT.write_text(json.dumps(report, indent=2) + "\n")
         write_page(report)
     k = sum(m["killed"] for m in report["modules"].values())
