@@ -10,6 +10,16 @@ Per task the sharer reads the context with the sender's role; ``kv_adapter`` rel
 tokens (``runner.length_matched``), labelled with the matched task's tokens, so an adapter that
 re-reads the text (the fuser: the receiver's own reading of the matched tokens, fused) gets
 everything of the matched task except the sharer's cache.
+
+``kv_variant:NAME:REPAIR`` (``audit.vocab``) uses the same channel with another sharer: ``BASE+NAME``,
+the fine-tuned variant ``NAME`` of the audited model's base (``models.variants``; an audited model
+that is itself a variant ``BASE+OTHER`` shares its base), read through the loader's ``BASE+ADAPTER``
+route. Its cache reaches the receiver through the repair the arm names: ``raw`` is an
+``IdentityAdapter`` (the receiver's explicit consent to use the sibling's cache unchanged), anything
+else a ``RecomputeAdapter`` that accepts that sibling only (``fuse.repair``). The control
+``kv_variant_mismatched`` is relabelled as above, so a repair recomputes from the matched task's
+tokens over the sibling's cache of another task: the pairing contrast isolates what the sibling's
+*matched* cache adds beyond the tokens the repair recomputes itself.
 """
 
 from __future__ import annotations
@@ -43,8 +53,8 @@ class Channel:
     """One adapter arm's sharer agent and adapter."""
 
     name: str
-    folder: Path
-    adapter: object
+    folder: Path | None  # the adapter artefact (None for a variant channel: its adapters are per arm)
+    adapter: object | None
     agent: Agent
 
     def read(self, text: str) -> KVPayload:
@@ -81,3 +91,34 @@ def relabelled(mismatched: KVPayload, matched: KVPayload) -> KVPayload:
         raise ValueError(f"a mismatched sharer payload must be length-matched ({mismatched.num_tokens} != "
                          f"{matched.num_tokens} tokens)")
     return replace(mismatched, token_ids=matched.token_ids, positions=matched.positions, mask=matched.mask)
+
+
+def variant_model(model: str, variant: str) -> str:
+    """``BASE+variant`` for audited model ``model`` (``BASE`` itself, or a variant ``BASE+OTHER``)."""
+    from kvrelay.models.variants import SEP, split_name
+
+    parts = split_name(model) if SEP in model else None
+    return f"{parts[0] if parts else model}{SEP}{variant}"
+
+
+def open_variant(variant: str, model: str, receiver_lm, role: str,
+                 load: Callable[[str], object] | None = None) -> Channel:
+    """The channel of variant arms ``kv_variant:VARIANT:*``: the sibling ``BASE+VARIANT`` as sharer."""
+    if load is None:
+        from kvrelay.models.loader import load_model as load
+    sharer_lm = load(variant_model(model, variant))
+    if sharer_lm.identity.fingerprint == receiver_lm.identity.fingerprint:
+        raise ValueError(f"kv_variant:{variant}: the variant is the audited model itself; its cache is arm kv")
+    return Channel(f"variant:{variant}", None, None, Agent(sharer_lm, "sharer", role=role))
+
+
+def variant_adapter(repair: str, sharer_lm, receiver_lm):
+    """The receive-path adapter of repair ``repair`` (``raw`` or a recompute spec) for that sibling only."""
+    from kvrelay.audit.vocab import RAW_REPAIR
+    from kvrelay.fuse.adapter import IdentityAdapter
+    from kvrelay.fuse.repair import repair_adapter
+
+    src = sharer_lm.identity.fingerprint
+    if repair == RAW_REPAIR:
+        return IdentityAdapter(src, receiver_lm.identity.fingerprint)
+    return repair_adapter(receiver_lm, repair, sources=(src,))

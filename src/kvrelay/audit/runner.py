@@ -11,7 +11,9 @@ Protocol (stated once):
   each task's context with the sender's role, once per task; ``kv_adapter_mismatched:NAME`` gets
   its length-matched reading of the partner task (the same shift), labelled with the matched
   task's tokens. ``relay_bytes`` is the sharer payload's size; ``sender_s`` the sharer's reading;
-  the adapter's own work is part of ``relay_s``.
+  the adapter's own work is part of ``relay_s``. Variant arms (``kv_variant:NAME:REPAIR``) read the
+  same way with the sibling ``BASE+NAME`` as sharer, once per variant whatever the repairs, and its
+  cache goes through each arm's repair (its time is in ``relay_s``).
 * Decoding is greedy, so an arm whose input does not depend on the seed (everything but
   ``kv_random`` and ``kv_noise``) gives the same answer under every seed: it is computed once
   per task and recorded for each seed. Seeds drive the random draws and the arm order; the
@@ -45,7 +47,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.arms import Arm, build_kv, parse_arm
-from kvrelay.audit.channels import open_channel, relabelled
+from kvrelay.audit.channels import open_channel, open_variant, relabelled, variant_adapter
 from kvrelay.audit.config import AuditConfig, split_task_spec  # noqa: F401 (re-exported)
 from kvrelay.audit.partners import mismatch_partners, run_order
 from kvrelay.audit.tasks import Task, load_tasks, score
@@ -72,7 +74,7 @@ class _TaskState:
     payload: KVPayload
     sender_s: float
     mismatched: KVPayload | None = None
-    shared: dict = field(default_factory=dict)  # adapter name -> (sharer payload, sharer seconds, mismatched or None)
+    shared: dict = field(default_factory=dict)  # channel -> (sharer payload, sharer seconds, mismatched or None)
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
@@ -154,6 +156,11 @@ class AuditRunner:
         self.arms = [parse_arm(a) for a in cfg.arms]
         names = list(dict.fromkeys(a.adapter for a in self.arms if a.adapter))
         self.channels = {n: open_channel(n, lm, SENDER_ROLE, load_sharer) for n in names}  # adapter arms' sharers
+        for v in dict.fromkeys(a.variant for a in self.arms if a.variant):  # variant arms' siblings
+            ch = open_variant(v, cfg.model, lm, SENDER_ROLE, load_sharer)
+            self.channels[ch.name] = ch
+        self.adapters = {a.name: variant_adapter(a.repair, self.channels[a.channel].agent.lm, lm)
+                         for a in self.arms if a.variant}
         self.progress = progress or (lambda n: None)
         self.versions = {"kvrelay": _version(), "torch": torch.__version__, "python": platform.python_version(),
                          "model_fingerprint": lm.identity.fingerprint}
@@ -180,9 +187,9 @@ class AuditRunner:
                                               max_new_tokens=self.cfg.message_tokens)
             spent = time.perf_counter() - t0
             return [n.text for n in notes], [len(n.text.encode()) for n in notes], spent
-        if arm.adapter:
-            adapter = self.channels[arm.adapter].adapter
-            sent = [s.shared[arm.adapter][2 if arm.base == "kv_adapter_mismatched" else 0] for s in states]
+        if arm.channel:
+            adapter = self.adapters.get(arm.name) or self.channels[arm.channel].adapter
+            sent = [s.shared[arm.channel][2 if arm.mismatched_control else 0] for s in states]
             return [adapter.adapt(p, self.lm.identity) for p in sent], [p.nbytes for p in sent], 0.0
         out, sizes = [], []
         for s in states:
@@ -205,7 +212,7 @@ class AuditRunner:
                 "covariates": s.task.covariate_dict(), "answer": r.text, "gold": list(s.task.answers),
                 "score": score(s.task, r.text), "prefill_tokens": r.prefill_tokens, "relayed_tokens": r.relayed_tokens,
                 "relay_bytes": nbytes, "relay_s": relay_s / B,
-                "sender_s": (s.shared[arm.adapter][1] if arm.adapter else s.sender_s) + sender_extra / B,
+                "sender_s": (s.shared[arm.channel][1] if arm.channel else s.sender_s) + sender_extra / B,
                 "ttft_s": r.ttft_s / B, "decode_s": r.decode_s / B,
                 "latency_s": (relay_s + sender_extra + r.ttft_s + r.decode_s) / B, "batch": B,
             })
@@ -229,11 +236,11 @@ class AuditRunner:
         return states
 
     def _share(self, name: str, ch, tasks: list[Task], states: list[_TaskState], partners: list[int]) -> None:
-        """The sharer of adapter ``name`` reads each task; its length-matched reading of the partner for the control."""
+        """The sharer of channel ``name`` reads each task; its length-matched reading of the partner for the control."""
         for st in states:
             t0 = time.perf_counter()
             st.shared[name] = (ch.read(st.task.context), time.perf_counter() - t0, None)
-        if any(a.base == "kv_adapter_mismatched" and a.adapter == name for a in self.arms):
+        if any(a.mismatched_control and a.channel == name for a in self.arms):
             read = {st.index: st.shared[name][0] for st in states}
             for st in states:
                 p, secs, _ = st.shared[name]

@@ -95,11 +95,11 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
     cfg = preset(preset_name, model=model, tasks=task_specs, arms=arm_names, seeds=seed_list, limit=limit,
                  batch_size=batch_size)
     parsed = [parse_arm(a) for a in cfg.arms]
-    if any(a.needs_mismatch or a.base == "kv_adapter_mismatched" for a in parsed):
+    if any(a.needs_mismatch or a.mismatched_control for a in parsed):
         for name, count in cfg.task_sets():
             if count is not None and count < v.MIN_TASKS_FOR_MISMATCH:
                 raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers, "
-                                     "kv_adapter_mismatched) pairs each task with another task of its set",
+                                     "kv_adapter_mismatched, kv_variant_mismatched) pairs each task with another task of its set",
                                      f"--limit (or NAME:COUNT) >= {v.MIN_TASKS_FOR_MISMATCH}")
     for a in parsed:
         if a.adapter:
@@ -110,6 +110,16 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
             except ValueError as err:
                 raise v.InvalidInput(f"--arms: {a.name}: {v.one_line(err)}",
                                      "kv_adapter:NAME with NAME a folder under artefacts/fuse/ or a path") from None
+        if a.variant:
+            from kvrelay.core.errors import UnknownModel
+            from kvrelay.models.variants import adapter_dir
+
+            try:
+                adapter_dir(a.variant)
+            except UnknownModel as err:
+                raise v.InvalidInput(f"--arms: {a.name}: {v.one_line(err)}",
+                                     "kv_variant:NAME:REPAIR with NAME a trained variant (a folder with "
+                                     "adapter_config.json)") from None
     v.model(cfg.model)
     return cfg
 
