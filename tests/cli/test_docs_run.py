@@ -89,6 +89,8 @@ NOT_RUN = {
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
+    ("bench", "repair", "--tasks"): "squad hides a SQuAD passage among others up to the context size, more than "
+                                    "a scaled run holds: tests/bench/test_repair_bench.py",
 }
 # which --json section of docs/json.md each run's JSON answers
 JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",
