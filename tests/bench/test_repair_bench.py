@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvrelay.audit.tasks.generated import generate
-from kvrelay.bench.repair import FIELDS, plot, run_case, summarize, target_met
+from kvrelay.bench.repair import FIELDS, plot, read_records, run_case, summarize, target_met, trial_row
 from kvrelay.models.tiny import tiny_lm
 
 METHODS = ("raw", "recompute:tokens=0.3", "recompute:tokens=1", "recompute:layers=0-1", "reprefill")
@@ -65,6 +65,69 @@ def test_cli_writes_the_contract_rows_and_a_plot(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_records_resume_runs_only_the_missing_tasks(tasks, tmp_path):
+    receiver, sender = tiny_lm("qwen2", seed=0), tiny_lm("qwen2", seed=1)
+    methods = ("raw", "recompute:tokens=0.5", "reprefill")
+    setup = {"sender": "tiny:qwen2:1", "receiver": "tiny:qwen2:0"}
+    path = tmp_path / "records.jsonl"
+    batches = []
+
+    def sink(trials):
+        batches.append([t.task for t in trials])
+        with path.open("a") as fh:
+            fh.write("".join(json.dumps(trial_row("variant", setup, t)) + "\n" for t in trials))
+
+    first = run_case("variant", sender, receiver, tasks[:2], methods, max_new_tokens=3, progress=False, sink=sink)
+    assert batches == [[tasks[0].id] * 3, [tasks[1].id] * 3]  # one batch per task, every method in it
+    done = read_records(path, "variant", setup)
+    assert done == first
+    assert read_records(path, "variant", {**setup, "seed": 1}) == [] and read_records(path, "replace", setup) == []
+    batches.clear()
+    more = run_case("variant", sender, receiver, tasks, methods, max_new_tokens=3, progress=False, done=done,
+                    sink=sink)
+    assert batches == [[tasks[2].id] * 3]  # only the task the records lack ran
+    assert more[:6] == first and len(more) == 9
+    assert summarize("variant", read_records(path, "variant", setup)) == summarize("variant", more)
+
+
+def test_records_reader_drops_a_cut_last_line_and_names_a_bad_one(tmp_path):
+    from kvrelay.bench.repair import Trial
+
+    row = json.dumps(trial_row("replace", {"model": "m"}, Trial("t1", "raw", 1.0, (1, 2), 0.5, 0.0, 10)))
+    path = tmp_path / "r.jsonl"
+    path.write_text(row + "\n" + row[:40])  # killed mid-write
+    assert [t.task for t in read_records(path, "replace", {"model": "m"})] == ["t1"]
+    path.write_text(row[:40] + "\n" + row + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: not a JSON line"):
+        read_records(path, "replace", {"model": "m"})
+    path.write_text(json.dumps({"case": "replace", "setup": {}, "task": "t"}) + "\n" + row + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: expected a bench repair trial"):
+        read_records(path, "replace", {"model": "m"})
+
+
+def test_cli_records_extend_an_earlier_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvrelay.cli.app import app
+
+    rec, out = tmp_path / "r.jsonl", tmp_path / "r.json"
+    args = ["bench", "repair", "--sender", "tiny:qwen2:1", "--receiver", "tiny:qwen2:0", "--cases", "variant",
+            "--context-tokens", "64", "--methods", "raw;reprefill", "--records", str(rec), "--json", str(out)]
+    r = CliRunner().invoke(app, [*args, "--n", "2"])
+    assert r.exit_code == 0, r.output
+    first = rec.read_text().splitlines()
+    assert len(first) == 4
+    r = CliRunner().invoke(app, [*args, "--n", "3"])
+    assert r.exit_code == 0, r.output
+    lines = rec.read_text().splitlines()
+    assert lines[:4] == first and len(lines) == 6  # the first two tasks were not rerun
+    body = json.loads(out.read_text())
+    assert body["records"] == str(rec) and {row["n"] for row in body["rows"]} == {3}
+    rec.write_text("not json\n" + "\n".join(lines) + "\n")
+    r = CliRunner().invoke(app, [*args, "--n", "3"])
+    assert r.exit_code == 2 and "r.jsonl:1: not a JSON line" in r.output
+
+
 @pytest.mark.network
 def test_squad_long_hides_one_passage_among_other_articles():
     from kvrelay.audit.tasks.datasets import load_tasks
@@ -80,3 +143,4 @@ def test_squad_long_hides_one_passage_among_other_articles():
         assert parts[covs["target_index"]] == short.context and parts.count(short.context) == 1
         assert approx_tokens(t.context) >= 600 and len(parts) == covs["passages"] > 1
     assert squad_long(4, 600, seed=0) == long and squad_long(4, 600, seed=1) != long
+    assert squad_long(2, 600, seed=0) == long[:2]  # a run extended to more questions keeps its first tasks

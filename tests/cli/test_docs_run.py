@@ -55,6 +55,10 @@ RUNS = [
     ("inspect", ["inspect", "{tmp}/report.kv", "--json", "{tmp}/inspect.json"], ["int8"]),
     ("repair", ["bench", "repair", "--cases", "replace", "--model", SMOL, "--n", "2", "--context-tokens", "64",
                 "--methods", "raw;reprefill", "--json", "{tmp}/repair.json"], ["bench repair"]),
+    ("repair-variant", ["bench", "repair", "--cases", "variant", "--sender", "tiny:qwen2:1", "--receiver",
+                        "tiny:qwen2:0", "--n", "2", "--context-tokens", "64", "--methods", "raw;reprefill",
+                        "--threads", "1", "--records", "{tmp}/repair.jsonl", "--json", "{tmp}/repair_variant.json"],
+     ["bench repair"]),
     ("fuse-fit", ["fuse", "fit", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--method", "ridge",
                   "--texts", "5", "--max-tokens", "16", "--out", "{tmp}/fuse"], ["wrote", "layer map"]),
     ("fuse-eval", ["fuse", "eval", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tasks", "gen_easy",
@@ -89,6 +93,8 @@ NOT_RUN = {
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
+    ("bench", "repair", "--profile"): "needs a deviation profile of two trained variants (layers=auto:K): "
+                                      "tests/fuse/test_repair.py",
     ("bench", "repair", "--tasks"): "squad hides a SQuAD passage among others up to the context size, more than "
                                     "a scaled run holds: tests/bench/test_repair_bench.py",
 }
@@ -97,6 +103,7 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "pipeline": "kvrelay bench pipeline --json", "replace-quality": "kvrelay bench replace-quality --json",
                  "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
+                 "repair-variant": "kvrelay bench repair --json",
                  "bench-engine": "kvrelay bench engine --json"}
 
 

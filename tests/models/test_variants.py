@@ -84,3 +84,22 @@ def test_split_name():
     assert split_name("qwen2.5-coder-0.5b") is None
     with pytest.raises(UnknownModel):
         split_name("qwen2.5-coder-0.5b+")
+
+
+def test_every_registered_variant_is_shipped_as_its_spec_says():
+    import json
+
+    from kvrelay.models.variants import PACKAGED, VARIANTS, is_alora
+
+    for name, spec in VARIANTS.items():
+        folder = PACKAGED / name  # what a user gets without training (a local $KVRELAY_HOME copy would shadow it)
+        assert (folder / "adapter_model.safetensors").is_file(), f"{name} is not shipped with kvrelay"
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        assert cfg["r"] == spec.rank and cfg["lora_alpha"] == spec.alpha
+        assert sorted(cfg["target_modules"]) == sorted(spec.targets)
+        assert is_alora(folder) == spec.alora
+        trained = json.loads((folder / "loss.json").read_text())
+        assert trained["variant"] == name and len(trained["loss"]) == spec.steps
+        assert trained["spec"] == {**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                                   "targets": list(spec.targets)}
+    assert len({adapter_digest(PACKAGED / n) for n in VARIANTS}) == len(VARIANTS)  # three distinct fingerprints

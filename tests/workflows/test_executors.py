@@ -85,3 +85,11 @@ def test_process_executor_refuses_a_memory_store_and_reports_worker_failures(tmp
         ProcessExecutor(MODEL, _chain(), store="memory://x")
     with pytest.raises(WorkerError, match="tiny"):
         ProcessExecutor("tiny:gpt9", _chain(), store=str(tmp_path / "s"))
+
+
+def test_worker_refuses_a_turn_request_that_does_not_name_its_codec():
+    from kvrelay.workflows.worker import TURN_FIELDS, _turn
+
+    req = {"op": "turn", **{f: None for f in TURN_FIELDS if f != "codec"}}
+    with pytest.raises(ValueError, match=r"lacks codec; expected every one of prompt, base, .*codec"):
+        _turn(req, None, None, None, None, None)  # refused before anything is read or written

@@ -13,14 +13,21 @@ itself (``reprefill``, budget 1): accuracy (0–100, BCa CI), the paired differe
 re-prefill (BCa CI on per-task differences, ``audit.bootstrap``), agreement (share of tasks whose
 generated tokens equal re-prefill's) and median TTFT (cache build — repair included — plus prefill).
 ``budget`` is the recomputed share of (relayed token × layer) forwards, averaged over tasks.
+
+A run can keep its trials as JSON lines (:func:`trial_row`, one line per method, a task's lines
+written together once it is done): a later run with the same setup reads them back
+(:func:`read_records`) and only runs the tasks that are missing, so a frontier grows across runs
+(``squad_long`` and the generated records give the same first tasks whatever ``n`` is).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -52,22 +59,27 @@ class Trial:
     context_tokens: int
 
 
+SQUAD_QUESTIONS = 200  # squad_long's questions are the first of SQuAD's seed-0 order; filler comes after them
+
+
 def squad_long(n: int, context_tokens: int, seed: int = 0) -> list[Task]:
     """``n`` SQuAD questions whose passage sits, at a seeded random place, among passages of other articles
     until the document is about ``context_tokens`` long (``approx_tokens``): a question about one
     article in a long report.
 
-    Questions are the first ``n`` of SQuAD's seed-0 order; filler passages come from the rest of the
-    first ``QA_SKIP`` (the ``qa`` variant trains on the tasks after those, ``bench.train_variants``).
+    Questions are the first ``n`` of SQuAD's seed-0 order (at most ``SQUAD_QUESTIONS``); filler
+    passages come from the tasks after ``SQUAD_QUESTIONS`` and before ``QA_SKIP`` (the ``qa`` variant
+    trains on the tasks after those, ``bench.train_variants``). The filler pool does not depend on
+    ``n``, so the first ``k`` tasks are the same for every ``n >= k``.
     """
     from kvrelay.audit.tasks.datasets import load_tasks
     from kvrelay.bench.train_variants import QA_SKIP
 
     pool = load_tasks("squad", seed=0)[:QA_SKIP]
-    if not 0 < n < len(pool) // 2:
-        raise ValueError(f"squad_long takes 1..{len(pool) // 2 - 1} questions, got {n}")
+    if not 0 < n <= SQUAD_QUESTIONS:
+        raise ValueError(f"squad_long takes 1..{SQUAD_QUESTIONS} questions, got {n}")
     title = lambda t: dict(t.covariates).get("title")  # noqa: E731
-    filler = list({t.context: t for t in pool[n:]}.values())
+    filler = list({t.context: t for t in pool[SQUAD_QUESTIONS:]}.values())
     rng = random.Random(f"squad_long|{seed}")
     out = []
     for t in pool[:n]:
@@ -116,8 +128,12 @@ def _receivers(case: str, sender_lm, receiver_lm, methods: Sequence[str], max_ne
 
 
 def run_case(case: str, sender_lm, receiver_lm, tasks: Sequence[Task], methods: Sequence[str] = DEFAULT_METHODS, *,
-             max_new_tokens: int = 12, profile=None, progress: bool = True) -> list[Trial]:
-    """Every method on every task; the document is read once per task by the sender."""
+             max_new_tokens: int = 12, profile=None, progress: bool = True, done: Sequence[Trial] = (),
+             sink: Callable[[list[Trial]], None] | None = None) -> list[Trial]:
+    """Every method on every task; the document is read once per task by the sender.
+
+    ``done``: trials of an earlier run with the same setup; a task that has all ``methods`` there is
+    taken from them, not rerun. ``sink`` receives each newly run task's trials together."""
     if case not in CASES:
         raise ValueError(f"case must be one of {CASES}, got {case!r}")
     if case == "replace" and sender_lm is not receiver_lm:
@@ -129,8 +145,16 @@ def run_case(case: str, sender_lm, receiver_lm, tasks: Sequence[Task], methods: 
     agents = _receivers(case, sender_lm, receiver_lm, methods, max_new_tokens, profile)
     layout = "replace" if case == "replace" else "continue"
     L = receiver_lm.identity.num_layers
+    earlier: dict[str, dict[str, Trial]] = {}
+    for t in done:
+        earlier.setdefault(t.task, {})[t.method] = t
     trials = []
     for task in tqdm(tasks, desc=f"bench repair {case}", disable=not progress):
+        have = earlier.get(task.id, {})
+        if all(m in have for m in methods):
+            trials += [have[m] for m in methods]
+            continue
+        mine = []
         payload = sender.read(task.context)
         for m in methods:
             agent = agents[m]
@@ -142,8 +166,39 @@ def run_case(case: str, sender_lm, receiver_lm, tasks: Sequence[Task], methods: 
                 r = agent.respond(task.prompt, payload)
             b = _budget(m, L, payload.num_tokens, profile, sender_lm.identity.fingerprint,
                         receiver_lm.identity.fingerprint)
-            trials.append(Trial(task.id, m, score(task, r.text), r.token_ids, r.ttft_s, b, payload.num_tokens))
+            mine.append(Trial(task.id, m, score(task, r.text), r.token_ids, r.ttft_s, b, payload.num_tokens))
+        trials += mine
+        if sink is not None:
+            sink(mine)
     return trials
+
+
+def trial_row(case: str, setup: dict, trial: Trial) -> dict:
+    """One records line: the case, the run's ``setup`` (models, task set, seed, length...) and the trial."""
+    return {"case": case, "setup": setup, **asdict(trial)}
+
+
+def read_records(path: Path, case: str, setup: dict) -> list[Trial]:
+    """The trials in ``path`` (JSON lines from :func:`trial_row`) of ``case`` run with exactly ``setup``;
+    lines of other cases or setups are left alone. A last line cut short (a run killed while writing) is
+    ignored; any other line that is not a trial raises ``ValueError`` naming the file and line."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    out = []
+    fields = set(Trial.__dataclass_fields__)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON line ({err.msg})") from None
+        if not isinstance(row, dict) or not fields <= set(row) or not {"case", "setup"} <= set(row):
+            raise ValueError(f"{path}:{i}: expected a bench repair trial with case, setup and {sorted(fields)}")
+        if row["case"] == case and row["setup"] == setup:
+            out.append(Trial(**{**{f: row[f] for f in fields}, "tokens": tuple(row["tokens"])}))
+    return out
 
 
 def _ci(values: np.ndarray) -> tuple[float, float]:

@@ -66,9 +66,14 @@ def repair(
                                         "needed by layers=auto:K"),
     threads: int | None = typer.Option(None, help="torch threads"),
     json_path: Path | None = typer.Option(None, "--json", help="write rows as JSON (and a PNG plot next to it)"),
+    records: Path | None = typer.Option(None, help="every trial as JSON lines, a task's lines written once it is "
+                                        "done; an existing file is resumed: tasks it holds for the same setup "
+                                        "are not rerun, so a larger --n extends an earlier run"),
 ):
     """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
-    from kvrelay.bench.repair import plot, run_case, summarize, target_met
+    import json
+
+    from kvrelay.bench.repair import plot, read_records, run_case, summarize, target_met, trial_row
     from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
     from kvrelay.fuse.profile import load_profile
@@ -85,11 +90,14 @@ def repair(
         v.existing_file(profile, "--profile", "a profile JSON from `kvrelay bench repair-profile`")
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
+    v.writable_path(records, "--records")
     for name in ((sender, receiver) if "variant" in case_list else ()) + ((model,) if "replace" in case_list else ()):
         v.model(name)
     prof = load_profile(profile) if profile else None
     task_list = _tasks(n, context_tokens, seed, tasks)
     rows, meta = [], {}
+    setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
+               "threads": threads, "profile": str(profile) if profile else None}
     for case in case_list:
         if case == "variant":
             s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
@@ -97,14 +105,28 @@ def repair(
         else:
             s_lm = r_lm = load_for_cli(model, threads)
             meta[case] = {"model": model}
+        setup = {**meta[case], **setting}
+        try:
+            done = read_records(records, case, setup) if records and records.is_file() else []
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--records") from None
+        sink = None
+        if records:
+            records.parent.mkdir(parents=True, exist_ok=True)
+
+            def sink(trials, case=case, setup=setup):
+                with records.open("a", encoding="utf-8") as fh:
+                    fh.write("".join(json.dumps(trial_row(case, setup, t)) + "\n" for t in trials))
+
         rows += summarize(case, run_case(case, s_lm, r_lm, task_list, method_list, max_new_tokens=max_new_tokens,
-                                         profile=prof if case == "variant" else None))
+                                         profile=prof if case == "variant" else None, done=done, sink=sink))
     print_rows(rows)
     met = target_met(rows)
     console.print(f"budget <= 0.2, paired CI within +-2 points, >= 3x lower TTFT: {met}")
     if json_path:
         out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n, "context_tokens": context_tokens,
-                                                      "seed": seed}, "target_met": met}
+                                                      "seed": seed}, "target_met": met,
+               "records": str(records) if records else None}
         write_json(json_path, out, console=console)
         plot(rows, json_path.with_suffix(".png"))
         console.print(f"wrote {json_path.with_suffix('.png')}")

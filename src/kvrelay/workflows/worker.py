@@ -62,7 +62,14 @@ def _serve(args, send) -> None:
             send({"error": type(e).__name__, "message": str(e)})
 
 
+TURN_FIELDS = ("prompt", "base", "cache", "layout", "max_new_tokens", "min_new_tokens", "want_payload", "out_key",
+               "codec")
+
+
 def _turn(req: dict, agent, store, get_payload, put_payload, take_turn) -> dict:
+    missing = [f for f in TURN_FIELDS if f not in req]
+    if missing:  # every field is required: a payload is never written with a codec the driver did not choose
+        raise ValueError(f"turn request lacks {', '.join(missing)}; expected every one of {', '.join(TURN_FIELDS)}")
     cache, get_s = None, 0.0
     if req["cache"] is not None:
         t0 = time.perf_counter()
@@ -73,7 +80,7 @@ def _turn(req: dict, agent, store, get_payload, put_payload, take_turn) -> dict:
     key, put_s = None, 0.0
     if out.payload is not None:
         t0 = time.perf_counter()
-        key = put_payload(store, out.payload, req.get("codec", "raw"), key=req["out_key"], model=agent.model)
+        key = put_payload(store, out.payload, req["codec"], key=req["out_key"], model=agent.model)
         put_s = time.perf_counter() - t0
     return {"turn": {**out.to_json(), "put_s": put_s}, "payload": key}
 
