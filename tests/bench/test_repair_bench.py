@@ -98,10 +98,10 @@ def test_records_reader_drops_a_cut_last_line_and_names_a_bad_one(tmp_path):
     path.write_text(row + "\n" + row[:40])  # killed mid-write
     assert [t.task for t in read_records(path, "replace", {"model": "m"})] == ["t1"]
     path.write_text(row[:40] + "\n" + row + "\n")
-    with pytest.raises(ValueError, match=r"r.jsonl:1: not a JSON line"):
+    with pytest.raises(ValueError, match=r"r.jsonl:1: not valid JSON"):
         read_records(path, "replace", {"model": "m"})
     path.write_text(json.dumps({"case": "replace", "setup": {}, "task": "t"}) + "\n" + row + "\n")
-    with pytest.raises(ValueError, match=r"r.jsonl:1: expected a bench repair trial"):
+    with pytest.raises(ValueError, match=r"r.jsonl: trial 1: expected a bench repair trial"):
         read_records(path, "replace", {"model": "m"})
 
 
@@ -125,7 +125,7 @@ def test_cli_records_extend_an_earlier_run(tmp_path):
     assert body["records"] == str(rec) and {row["n"] for row in body["rows"]} == {3}
     rec.write_text("not json\n" + "\n".join(lines) + "\n")
     r = CliRunner().invoke(app, [*args, "--n", "3"])
-    assert r.exit_code == 2 and "r.jsonl:1: not a JSON line" in r.output
+    assert r.exit_code == 2 and "r.jsonl:1: not valid JSON" in r.output
 
 
 @pytest.mark.network

@@ -24,6 +24,7 @@ from kvrelay.audit.fmt import ci_text, duration, meta_text, nbytes, pval, value_
 from kvrelay.audit.stats import ALL, summarize
 from kvrelay.audit.verdict import MAX_TOST_HALF_WIDTH, tost_too_wide
 from kvrelay.audit.vocab import ALPHA, arm_order, arm_rank, contrast_arms, contrast_rank, contrasts_for
+from kvrelay.core.jsonl import read_json_lines
 
 #: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
 #: carries them over from the summary.json it replaces.
@@ -373,18 +374,7 @@ def read_records(path: Path | str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no records.jsonl here — `kvrelay audit report DIR` rebuilds the report "
                                 "from the records.jsonl an audit run wrote into DIR")  # fmt: skip
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{i}: not valid JSON ({err.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object per line, got {type(rec).__name__}")
-            records.append(rec)
+    records = read_json_lines(path)
     if not records:
         raise ValueError(f"{path}: no trial records (the file is empty)")
     return records

@@ -22,7 +22,6 @@ written together once it is done): a later run with the same setup reads them ba
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from kvrelay.agents.agent import Agent
 from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task, approx_tokens
+from kvrelay.core.jsonl import read_json_lines
 from kvrelay.fuse.adapter import IdentityAdapter
 from kvrelay.fuse.repair import parse_repair, repair_adapter
 
@@ -182,20 +182,11 @@ def read_records(path: Path, case: str, setup: dict) -> list[Trial]:
     """The trials in ``path`` (JSON lines from :func:`trial_row`) of ``case`` run with exactly ``setup``;
     lines of other cases or setups are left alone. A last line cut short (a run killed while writing) is
     ignored; any other line that is not a trial raises ``ValueError`` naming the file and line."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
     out = []
     fields = set(Trial.__dataclass_fields__)
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == len(lines):
-                break
-            raise ValueError(f"{path}:{i}: not a JSON line ({err.msg})") from None
-        if not isinstance(row, dict) or not fields <= set(row) or not {"case", "setup"} <= set(row):
-            raise ValueError(f"{path}:{i}: expected a bench repair trial with case, setup and {sorted(fields)}")
+    for i, row in enumerate(read_json_lines(path, cut_tail_ok=True), 1):
+        if not fields <= set(row) or not {"case", "setup"} <= set(row):
+            raise ValueError(f"{path}: trial {i}: expected a bench repair trial with case, setup and {sorted(fields)}")
         if row["case"] == case and row["setup"] == setup:
             out.append(Trial(**{**{f: row[f] for f in fields}, "tokens": tuple(row["tokens"])}))
     return out

@@ -261,6 +261,7 @@ def eval_(
     from kvrelay.bench.fuse_eval import Trial, run_tasks, summarize, trial_rows
     from kvrelay.cli import validate as v
     from kvrelay.cli.app import write_json
+    from kvrelay.core.jsonl import read_json_lines
 
     task_sets = v.names(tasks, "--tasks", available(), "squad,gen")
     method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge", "fuser"),
@@ -280,7 +281,10 @@ def eval_(
     chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
     done = []
     if records and records.is_file():  # resume: keep the trials already written
-        done = [Trial(**json.loads(ln)) for ln in records.read_text().splitlines() if ln.strip().endswith("}")]
+        try:
+            done = [Trial(**row) for row in read_json_lines(records, cut_tail_ok=True)]
+        except (ValueError, TypeError) as err:  # TypeError: a line without a trial's fields
+            raise typer.BadParameter(f"{records}: {err}", param_hint="--records") from None
     ids = {t.id for t in chosen}
     done = [t for t in done if t.task_id in ids]
     sink_fh = None
@@ -323,12 +327,15 @@ def report(
     json_path: Path | None = typer.Option(None, "--json"),
 ):
     """Summarise trial records (e.g. of an interrupted or split eval) into the `fuse eval` JSON and table."""
-    import json
 
     from kvrelay.bench.fuse_eval import Trial, summarize
     from kvrelay.cli.app import write_json
+    from kvrelay.core.jsonl import read_json_lines
 
-    trials = [Trial(**json.loads(ln)) for f in records for ln in f.read_text().splitlines() if ln.strip().endswith("}")]
+    try:
+        trials = [Trial(**row) for f in records for row in read_json_lines(f, cut_tail_ok=True)]
+    except (ValueError, TypeError) as err:  # TypeError: a line without a trial's fields
+        raise typer.BadParameter(str(err), param_hint="RECORDS") from None
     if not trials:
         raise typer.BadParameter("no trials in the given records")
     names = records[0].stem.removeprefix("eval_").split("__")
