@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -96,6 +97,7 @@ def repair(
     prof = load_profile(profile) if profile else None
     task_list = _tasks(n, context_tokens, seed, tasks)
     rows, meta = [], {}
+    load_before = os.getloadavg()[0]
     setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
                "threads": threads, "profile": str(profile) if profile else None}
     for case in case_list:
@@ -126,7 +128,8 @@ def repair(
     if json_path:
         out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n, "context_tokens": context_tokens,
                                                       "seed": seed}, "target_met": met,
-               "records": str(records) if records else None}
+               "records": str(records) if records else None,
+               "load_average": {"load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}}
         write_json(json_path, out, console=console)
         plot(rows, json_path.with_suffix(".png"))
         console.print(f"wrote {json_path.with_suffix('.png')}")
