@@ -69,3 +69,22 @@ def test_resume_runs_only_the_missing_trials(setup):
         return {(t.task_id, t.method, t.mismatched, t.generation) for t in ts}
 
     assert len(again) == len(first) and key(again) == key(first)
+
+
+def test_contrasts_pair_each_method_with_the_baseline_on_the_same_task():
+    from kvrelay.bench.fuse_eval import Trial, contrasts
+
+    def t(task, method, score, mismatched=False):
+        return Trial(task_id=task, task="arc", regime="shared", method=method, generation="", score=score,
+                     ttft_s=1.0, bytes=0, mismatched=mismatched)
+
+    trials = [t(f"q{i}", "receiver", float(i % 2)) for i in range(8)]  # right on odd tasks
+    trials += [t(f"q{i}", "fuser", 1.0) for i in range(8)]  # right everywhere: +50 on the even tasks only
+    trials += [t(f"q{i}", "fuser", 0.0, mismatched=True) for i in range(8)]  # controls never count here
+    trials += [t(f"q{i}", "text", float(i % 2 == 0)) for i in range(6)]  # text ran on six tasks
+    rows = {(r["method"], r["baseline"]): r for r in contrasts(trials, "R", "S", n_boot=200)}
+    assert set(rows) == {("fuser", "receiver"), ("fuser", "text"), ("text", "receiver"), ("receiver", "text")}
+    assert rows[("fuser", "receiver")]["estimate"] == 0.5 and rows[("fuser", "receiver")]["n"] == 8
+    assert rows[("fuser", "text")]["estimate"] == 0.5 and rows[("fuser", "text")]["n"] == 6
+    assert rows[("text", "receiver")]["estimate"] == 0.0  # the same share right, on other tasks
+    assert rows[("fuser", "receiver")]["ci_low"] > 0

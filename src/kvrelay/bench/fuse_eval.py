@@ -144,7 +144,28 @@ def summarize(trials: Sequence[Trial], receiver: str, sharer: str, n_boot: int =
             d = bca_ci(diff, n_boot=n_boot)
             pairing.append({"receiver": receiver, "sharer": sharer, "regime": regime, "method": method,
                             "estimate": d.estimate, "ci_low": d.low, "ci_high": d.high})
-    return {"pairs": pairs, "pairing": pairing}
+    return {"pairs": pairs, "pairing": pairing, "contrasts": contrasts(trials, receiver, sharer, n_boot)}
+
+
+BASELINES = ("receiver", "text")
+
+
+def contrasts(trials: Sequence[Trial], receiver: str, sharer: str, n_boot: int = 2000) -> list[dict]:
+    """Per regime, every method against each baseline (``BASELINES``) on the same tasks: the paired
+    accuracy difference method − baseline with its BCa CI (what "beats the receiver alone" needs)."""
+    score = {(t.regime, t.method, t.task_id): t.score for t in trials if not t.mismatched}
+    out = []
+    for regime, method in sorted({(r, m) for r, m, _ in score}):
+        for base in BASELINES:
+            if base == method:
+                continue
+            tasks = [k for r, m, k in score if r == regime and m == method and (regime, base, k) in score]
+            if not tasks:
+                continue
+            d = bca_ci(np.array([score[(regime, method, k)] - score[(regime, base, k)] for k in tasks]), n_boot=n_boot)
+            out.append({"receiver": receiver, "sharer": sharer, "regime": regime, "method": method, "baseline": base,
+                        "estimate": d.estimate, "ci_low": d.low, "ci_high": d.high, "n": len(tasks)})
+    return out
 
 
 def trial_rows(trials: Sequence[Trial]) -> list[dict]:
