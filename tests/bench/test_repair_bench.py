@@ -123,6 +123,11 @@ def test_cli_records_extend_an_earlier_run(tmp_path):
     assert lines[:4] == first and len(lines) == 6  # the first two tasks were not rerun
     body = json.loads(out.read_text())
     assert body["records"] == str(rec) and {row["n"] for row in body["rows"]} == {3}
+    rec.write_text("\n".join(lines) + "\n" + lines[0][:30])  # a run killed while writing its last task
+    r = CliRunner().invoke(app, [*args, "--n", "4"])
+    assert r.exit_code == 0, r.output
+    grown = rec.read_text().splitlines()
+    assert grown[:6] == lines and len(grown) == 8  # the cut line is gone, the new task's lines follow
     rec.write_text("not json\n" + "\n".join(lines) + "\n")
     r = CliRunner().invoke(app, [*args, "--n", "3"])
     assert r.exit_code == 2 and "r.jsonl:1: not valid JSON" in r.output
