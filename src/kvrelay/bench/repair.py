@@ -182,11 +182,17 @@ def read_records(path: Path, case: str, setup: dict) -> list[Trial]:
     """The trials in ``path`` (JSON lines from :func:`trial_row`) of ``case`` run with exactly ``setup``;
     lines of other cases or setups are left alone. A last line cut short (a run killed while writing) is
     ignored; any other line that is not a trial raises ``ValueError`` naming the file and line."""
+    return select_trials(read_json_lines(path, cut_tail_ok=True), case, setup, where=path)
+
+
+def select_trials(rows: Sequence[dict], case: str, setup: dict, where: object = "records") -> list[Trial]:
+    """The :func:`trial_row` rows of ``case`` run with exactly ``setup``, as trials; a row that is not a
+    bench repair trial raises ``ValueError`` naming ``where`` and its position."""
     out = []
     fields = set(Trial.__dataclass_fields__)
-    for i, row in enumerate(read_json_lines(path, cut_tail_ok=True), 1):
+    for i, row in enumerate(rows, 1):
         if not fields <= set(row) or not {"case", "setup"} <= set(row):
-            raise ValueError(f"{path}: trial {i}: expected a bench repair trial with case, setup and {sorted(fields)}")
+            raise ValueError(f"{where}: trial {i}: expected a bench repair trial with case, setup and {sorted(fields)}")
         if row["case"] == case and row["setup"] == setup:
             out.append(Trial(**{**{f: row[f] for f in fields}, "tokens": tuple(row["tokens"])}))
     return out

@@ -74,10 +74,10 @@ def repair(
     """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
     import json
 
-    from kvrelay.bench.repair import plot, read_records, run_case, summarize, target_met, trial_row
+    from kvrelay.bench.repair import plot, run_case, select_trials, summarize, target_met, trial_row
     from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
-    from kvrelay.core.jsonl import read_json_lines
+    from kvrelay.core.jsonl import read_json_lines, write_json_lines
     from kvrelay.fuse.profile import load_profile
     from kvrelay.fuse.repair import parse_repair
 
@@ -97,14 +97,13 @@ def repair(
         v.model(name)
     prof = load_profile(profile) if profile else None
     task_list = _tasks(n, context_tokens, seed, tasks)
-    if records and records.is_file():  # drop a line cut short by a killed run before anything is appended
+    kept: list[dict] = []
+    if records and records.is_file():  # read once; a line cut short by a killed run goes before anything is appended
         try:
             kept = read_json_lines(records, cut_tail_ok=True)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--records") from None
-        tmp = records.with_name(f".{records.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
-        os.replace(tmp, records)
+        write_json_lines(records, kept)
     rows, meta = [], {}
     load_before = os.getloadavg()[0]
     setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
@@ -118,7 +117,7 @@ def repair(
             meta[case] = {"model": model}
         setup = {**meta[case], **setting}
         try:
-            done = read_records(records, case, setup) if records and records.is_file() else []
+            done = select_trials(kept, case, setup, where=records)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--records") from None
         sink = None

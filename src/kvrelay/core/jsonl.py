@@ -1,8 +1,9 @@
-"""JSON lines, as the runs that write a line per trial leave them: one reader for every such file."""
+"""JSON lines, as the runs that write a line per trial leave them: one reader and one rewriter for every such file."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -29,3 +30,12 @@ def read_json_lines(path: Path | str, *, cut_tail_ok: bool = False) -> list[dict
             raise ValueError(f"{path}:{i}: expected a JSON object per line, got {type(obj).__name__}")
         out.append(obj)
     return out
+
+
+def write_json_lines(path: Path | str, rows: list[dict]) -> None:
+    """Replace ``path`` with ``rows``, one JSON object per line, atomically (a temporary file renamed over
+    it): a resumed run rewrites its records without a cut last line, and a crash mid-write loses nothing."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    os.replace(tmp, path)
