@@ -88,3 +88,23 @@ def test_contrasts_pair_each_method_with_the_baseline_on_the_same_task():
     assert rows[("fuser", "text")]["estimate"] == 0.5 and rows[("fuser", "text")]["n"] == 6
     assert rows[("text", "receiver")]["estimate"] == 0.0  # the same share right, on other tasks
     assert rows[("fuser", "receiver")]["ci_low"] > 0
+
+
+def test_cli_resume_keeps_the_records_of_tasks_this_run_does_not_ask_for(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvrelay.cli.app import app
+
+    rec = tmp_path / "eval.jsonl"
+    other = {"task_id": "gen_easy/elsewhere", "task": "gen_easy", "regime": "private", "method": "receiver",
+             "generation": "x", "score": 1.0, "ttft_s": 0.1, "bytes": 0, "mismatched": False}
+    rec.write_text(json.dumps(other) + "\n" + json.dumps(other)[:25])  # and a line cut by a killed run
+    r = CliRunner().invoke(app, ["fuse", "eval", "--receiver", "tiny:qwen2", "--sharer", "tiny:llama", "--tasks",
+                                 "gen_easy", "--limit", "2", "--methods", "receiver", "--max-new-tokens", "2",
+                                 "--records", str(rec)])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in rec.read_text().splitlines()]  # every line parses: the cut one is gone
+    assert rows[0] == other  # a smaller run never drops what a larger one wrote
+    assert len(rows) == 3 and {row["task_id"] for row in rows[1:]} != {other["task_id"]}

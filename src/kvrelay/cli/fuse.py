@@ -261,7 +261,7 @@ def eval_(
     from kvrelay.bench.fuse_eval import Trial, run_tasks, summarize, trial_rows
     from kvrelay.cli import validate as v
     from kvrelay.cli.app import write_json
-    from kvrelay.core.jsonl import read_json_lines
+    from kvrelay.core.jsonl import read_json_lines, write_json_lines
 
     task_sets = v.names(tasks, "--tasks", available(), "squad,gen")
     method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge", "fuser"),
@@ -279,18 +279,18 @@ def eval_(
 
         fuser = FuserAdapter.load(fuser_dir or artefact.default_dir(receiver, sharer, "fuser"), r_lm, s_lm.tokenizer)
     chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
-    done = []
+    earlier = []
     if records and records.is_file():  # resume: keep the trials already written
         try:
-            done = [Trial(**row) for row in read_json_lines(records, cut_tail_ok=True)]
+            earlier = [Trial(**row) for row in read_json_lines(records, cut_tail_ok=True)]
         except (ValueError, TypeError) as err:  # TypeError: a line without a trial's fields
             raise typer.BadParameter(f"{records}: {err}", param_hint="--records") from None
     ids = {t.id for t in chosen}
-    done = [t for t in done if t.task_id in ids]
+    done = [t for t in earlier if t.task_id in ids]
     sink_fh = None
     if records:
         records.parent.mkdir(parents=True, exist_ok=True)
-        records.write_text("".join(json.dumps(r) + "\n" for r in trial_rows(done)))
+        write_json_lines(records, trial_rows(earlier))  # every earlier trial stays, this run's tasks or not
         sink_fh = records.open("a")
 
     def sink(trial):
