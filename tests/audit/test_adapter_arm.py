@@ -100,3 +100,36 @@ def test_an_adapter_for_another_receiver_is_refused_before_any_trial(folder, tmp
     other = load_model("tiny:qwen2")
     with pytest.raises(AdapterMismatch, match="receiver"):
         AuditRunner(AuditConfig(model="tiny:qwen2", tasks=("gen",), arms=(f"kv_adapter:{folder}",)), other, tmp_path)
+
+
+def test_a_layers_adapter_arm_reads_each_row_through_its_chosen_layers(models, folder, tmp_path):
+    """``layers`` output holds some layers only: the runner hands the sharer's cache to a receiver with the adapter."""
+    from kvrelay.fuse import layers as LY
+
+    receiver, sharer = models
+    rdg = ridge.RidgeAdapter.load(folder)
+    imp = torch.zeros(4)
+    config, tensors = LY.to_artefact(rdg, (1, 2), imp, LY.scores(imp), LY.gaussian_prior(4), 0.5, 0.5, {})
+    lfolder = artefact.save(tmp_path / "tiny__layers", config, tensors)
+    name = str(lfolder)
+    cfg = AuditConfig(model=RECEIVER, tasks=("gen_easy",), arms=(f"kv_adapter:{name}", f"kv_adapter:{folder}"),
+                      limit=2, batch_size=2)
+    AuditRunner(cfg, receiver, tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    by = {(r["arm"], r["task_id"]): r for r in rows}
+    tasks = sorted({r["task_id"] for r in rows})
+    layers_rows = [by[(f"kv_adapter:{name}", t)] for t in tasks]
+    assert all(r["batch"] == 1 for r in layers_rows)
+    assert all(r["relay_bytes"] < by[(f"kv_adapter:{folder}", r["task_id"])]["relay_bytes"] for r in layers_rows)
+    # the same answer as a receiver given the sharer's reading through that adapter, row by row
+    from kvrelay.audit.runner import MAX_NEW, RECEIVER_ROLE
+    from kvrelay.audit.tasks.datasets import load_tasks
+
+    adapter = LY.LayersAdapter.load(lfolder)
+    reader = Agent(sharer, "sharer", role=SENDER_ROLE)
+    chosen = {t.id: t for t in load_tasks("gen_easy", 2)}
+    assert set(chosen) == set(tasks)
+    for t in chosen.values():
+        want = Agent(receiver, "receiver", role=RECEIVER_ROLE, adapter=adapter).respond(
+            t.prompt, reader.read(t.context), max_new_tokens=MAX_NEW.get(t.scorer, 16))
+        assert by[(f"kv_adapter:{name}", t.id)]["answer"] == want.text

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kvrelay.audit.tasks.task import Task
 from kvrelay.bench.fuse_eval import METHODS, run_tasks, summarize
+from kvrelay.fuse import layers as LY
 from kvrelay.fuse import ridge
 from kvrelay.fuse.adapter import mha_from_gqa
 from kvrelay.models.identity import model_identity
@@ -33,22 +35,29 @@ def setup():
 def test_every_method_runs_and_the_json_has_its_contract(setup):
     receiver, sharer, adapter, tasks = setup
     methods = tuple(m for m in METHODS if m != "fuser")  # the fuser's own tests: tests/fuse/test_fuser.py
-    with pytest.raises(ValueError, match="'fuser' needs its adapter"):
+    with pytest.raises(ValueError, match="'layers' needs its adapter"):
         run_tasks(receiver, sharer, adapter, tasks, METHODS, max_new_tokens=3)
-    trials = run_tasks(receiver, sharer, adapter, tasks, methods, max_new_tokens=3)
+    imp = torch.zeros(4)
+    config, tensors = LY.to_artefact(adapter, (0, 1, 2, 3), imp, LY.scores(imp), LY.gaussian_prior(4), 0.5, 1.0, {})
+    every = LY.LayersAdapter(config, tensors)  # every layer chosen: the ridge answers, through the layered path
+    trials = run_tasks(receiver, sharer, adapter, tasks, methods, max_new_tokens=3, layers=every)
     assert {t.method for t in trials} == set(methods)
-    assert sum(t.mismatched for t in trials) == len(tasks)
+    assert sum(t.mismatched for t in trials) == 2 * len(tasks)
     out = summarize(trials, "r", "s", n_boot=200)
     assert {p["method"] for p in out["pairs"]} == set(methods)
     for p in out["pairs"]:
         assert set(p) == {"receiver", "sharer", "regime", "method", "accuracy", "ci_low", "ci_high", "ttft_s", "bytes", "n"}
         assert p["n"] == len(tasks) and 0 <= p["accuracy"] <= 1
-    (pairing,) = out["pairing"]
-    assert pairing["method"] == "ridge" and set(pairing) == {"receiver", "sharer", "regime", "method", "estimate",
-                                                            "ci_low", "ci_high"}
+    assert [p["method"] for p in out["pairing"]] == ["layers", "ridge"]
+    for pairing in out["pairing"]:
+        assert set(pairing) == {"receiver", "sharer", "regime", "method", "estimate", "ci_low", "ci_high"}
     by = {(t.task_id, t.method, t.mismatched): t.generation for t in trials}
     # an exact map: the mapped cache answers as the receiver does after reading the text itself
     assert all(by[(t.id, "ridge", False)] == by[(t.id, "text_full", False)] for t in tasks)
+    assert all(by[(t.id, "layers", mm)] == by[(t.id, "ridge", mm)] for t in tasks for mm in (False, True))
+    sent = {t.task_id: t.bytes for t in trials if t.method == "ridge" and not t.mismatched}
+    mapped = {t.task_id: t.bytes for t in trials if t.method == "layers" and not t.mismatched}
+    assert all(mapped[k] != sent[k] for k in sent)  # layers counts the mapped receiver-space layers it relays
 
 
 def test_unknown_method_is_refused(setup):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +27,10 @@ import torch
 from kvrelay.agents.receive import RoundBook, receive
 from kvrelay.fuse.adapter import Adapter
 from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
-from kvrelay.kv.cache import from_cache, to_cache
+from kvrelay.kv.cache import from_cache, to_cache, to_layered_cache
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.transforms import concat, pad_batch, shift_positions
+from kvrelay.models.attention import tail_aligned_attention
 from kvrelay.models.engine import mode
 from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
@@ -167,6 +169,10 @@ class Agent:
             context = self.check(context)
             if context.batch_size != 1:
                 raise ValueError("respond takes one payload; use respond_batch for a batch")
+            layered = not context.meta.complete  # a partial adapter's output: some layers hold the prefix
+            if layered and (layout != "continue" or return_payload or not bool(context.mask.all())):
+                raise ValueError("a payload for some layers only (fuse.layers) is read in the continue layout, "
+                                 "unpadded, without return_payload")
             if layout == "replace":
                 prefix = self._prefix_payload()
                 start = prefix.num_tokens if prefix is not None else 0
@@ -179,7 +185,7 @@ class Agent:
                 ids = self.prompt_ids(prompt, with_role=False)
             else:
                 ids = self.prompt_ids(prompt)
-            cache = to_cache(context, self.model.config)
+            cache = (to_layered_cache if layered else to_cache)(context, self.model.config)
             relayed = context.num_tokens - (start if layout == "replace" else 0)
             start_pos = int(context.next_positions[0])
             history_ids, history_pos = context.token_ids, context.positions
@@ -192,12 +198,14 @@ class Agent:
             cache = self._empty_cache()
             start_pos = 0
             history_ids = history_pos = None
+            layered = False
         build_s = time.perf_counter() - t0
         ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
         pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
-        out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
-                       pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens,
-                       keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform)
+        with tail_aligned_attention(self.model) if layered else nullcontext():
+            out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
+                           pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens,
+                           keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform)
         n = int(out.lengths[0])
         gen = out.tokens[0, :n].tolist()
         payload = None

@@ -3,7 +3,9 @@
 1. A payload compatible with the receiver's model (``kv.compat.check_meta``: same fingerprint,
    tokenizer, format, layer types and window, every layer held) is used as is.
 2. Otherwise, when the receiver names an ``adapter`` (``kvrelay.fuse``), the payload passes through
-   it; the result must then be compatible (the adapter stamps it with the receiver's identity).
+   it; the result must then be compatible (the adapter stamps it with the receiver's identity). It
+   must hold every layer, unless the adapter declares ``partial = True`` (``fuse.layers``: a mapped
+   prefix for some layers only, which the receiver attends to in those layers alone).
 3. Otherwise it is refused with ``IncompatiblePayload`` naming the field that differs.
 
 Then the checks that do not depend on the model: the codec is ``raw`` (decode compressed payloads
@@ -39,7 +41,7 @@ def adapt_if_needed(p: KVPayload, ident: ModelIdentity, adapter: Adapter | None)
         if adapter is None:
             raise
     out = adapter.adapt(p, ident)
-    check_meta(out.meta, ident, complete=True)
+    check_meta(out.meta, ident, complete=not getattr(adapter, "partial", False))
     return out
 
 
@@ -47,7 +49,7 @@ def check_geometry(p: KVPayload, ident: ModelIdentity) -> None:
     if p.meta.codec != "raw":
         raise IncompatiblePayload("codec", "raw", p.meta.codec, "decode the payload with its codec first")
     want = (ident.num_kv_heads, ident.head_dim)
-    for k in p.keys:  # every layer: a crafted payload may be consistent per layer but not across layers
+    for k in p.keys:  # every held layer: a crafted payload may be consistent per layer but not across layers
         got = (k.shape[1], k.shape[3])  # (B, H_kv, T_l, D)
         if got != want:
             raise IncompatiblePayload("kv_shape", want, got)

@@ -62,7 +62,7 @@ class Channel:
 
 
 def load_adapter(folder: Path, sharer_lm, receiver_lm):
-    """The adapter in ``folder`` (ridge or fuser), checked against both loaded models."""
+    """The adapter in ``folder`` (ridge, layers or fuser), checked against both loaded models."""
     from kvrelay.fuse.fuser import FuserAdapter
     from kvrelay.fuse.ridge import RidgeAdapter
 
@@ -72,7 +72,11 @@ def load_adapter(folder: Path, sharer_lm, receiver_lm):
         return RidgeAdapter.load(folder, sharer_lm.tokenizer, receiver_lm.tokenizer)
     if config.method == "fuser":
         return FuserAdapter.load(folder, receiver_lm, sharer_lm.tokenizer)
-    raise ValueError(f"{folder}: adapter method {config.method!r} has no audit arm (ridge, fuser)")
+    if config.method == "layers":
+        from kvrelay.fuse.layers import LayersAdapter
+
+        return LayersAdapter.load(folder, sharer_lm.tokenizer, receiver_lm.tokenizer)
+    raise ValueError(f"{folder}: adapter method {config.method!r} has no audit arm (ridge, layers, fuser)")
 
 
 def open_channel(name: str, receiver_lm, role: str, load: Callable[[str], object] | None = None) -> Channel:

@@ -190,6 +190,8 @@ class AuditRunner:
         if arm.channel:
             adapter = self.adapters.get(arm.name) or self.channels[arm.channel].adapter
             sent = [s.shared[arm.channel][2 if arm.mismatched_control else 0] for s in states]
+            if getattr(adapter, "partial", False):  # some layers only: the receiver maps each row (``_run_arm``)
+                return sent, [adapter.adapt(p, self.lm.identity).nbytes for p in sent], 0.0
             return [adapter.adapt(p, self.lm.identity) for p in sent], [p.nbytes for p in sent], 0.0
         out, sizes = [], []
         for s in states:
@@ -198,13 +200,26 @@ class AuditRunner:
             sizes.append(nbytes)
         return out, sizes, 0.0
 
+    def _partial_adapter(self, arm: Arm):
+        """The arm's adapter when its output holds some layers only (``fuse.layers``), else None."""
+        if not arm.channel:
+            return None
+        adapter = self.adapters.get(arm.name) or self.channels[arm.channel].adapter
+        return adapter if getattr(adapter, "partial", False) else None
+
     def _run_arm(self, arm: Arm, states: list[_TaskState], seed: int, max_new: int) -> list[dict]:
         t0 = time.perf_counter()
         contexts, sizes, sender_extra = self._contexts(arm, states, seed)
         relay_s = time.perf_counter() - t0 - sender_extra
         prompts = [s.task.prompt for s in states]
-        responses = self.receiver.respond_batch(prompts, contexts, max_new_tokens=max_new)
+        partial = self._partial_adapter(arm)
+        if partial is None:
+            responses = self.receiver.respond_batch(prompts, contexts, max_new_tokens=max_new)
+        else:  # a cache for some layers only is read one row at a time (no padded batch)
+            reader = Agent(self.lm, "receiver", role=RECEIVER_ROLE, adapter=partial)
+            responses = [reader.respond(p, c, max_new_tokens=max_new) for p, c in zip(prompts, contexts, strict=True)]
         B = len(states)
+        per = 1 if partial is not None else B  # a batched response's times are the whole batch's
         rows = []
         for s, r, nbytes in zip(states, responses, sizes, strict=True):
             rows.append({
@@ -213,8 +228,8 @@ class AuditRunner:
                 "score": score(s.task, r.text), "prefill_tokens": r.prefill_tokens, "relayed_tokens": r.relayed_tokens,
                 "relay_bytes": nbytes, "relay_s": relay_s / B,
                 "sender_s": (s.shared[arm.channel][1] if arm.channel else s.sender_s) + sender_extra / B,
-                "ttft_s": r.ttft_s / B, "decode_s": r.decode_s / B,
-                "latency_s": (relay_s + sender_extra + r.ttft_s + r.decode_s) / B, "batch": B,
+                "ttft_s": r.ttft_s / per, "decode_s": r.decode_s / per,
+                "latency_s": (relay_s + sender_extra) / B + (r.ttft_s + r.decode_s) / per, "batch": per,
             })
         return rows
 

@@ -9,6 +9,9 @@ Methods (what the receiver answers from):
 ``text``        the sharer's answer as a message the receiver reads (timed: sharer decode included)
 ``text_full``   the receiver re-reads the context as text (translate's upper bound)
 ``ridge``       the sharer's payload through the ridge adapter (``fuse.ridge``)
+``layers``      the same maps in the chosen receiver layers only (``fuse.layers``); the other layers
+                never see the context. Bytes: the mapped chosen layers (what a sharer that maps
+                before sending moves)
 ``fuser``       the receiver's own reading of the context fused with the sharer's payload
                 (``fuse.fuser``; its time to first token includes the receiver's own prefill)
 ==============  ================================================================================
@@ -16,7 +19,7 @@ Methods (what the receiver answers from):
 Regimes follow the task: ``private`` (SQuAD, generated records — only the context holds the
 answer: *translate*) and ``shared`` (ARC, OpenBookQA, MMLU — the receiver's prompt holds the whole
 problem too: *fuse*, the mapped cache is extra). The pairing control for ``ridge`` gives the
-receiver the adapted payload of *another* task (the next one in order); pairing = matched −
+receiver the adapted payload of *another* task (the next one in order; ``layers`` likewise); pairing = matched −
 mismatched accuracy, with a paired bootstrap CI over tasks. The fuser's control is the sharer's
 reading of the next task cut or extended to the same number of tokens and labelled with this
 task's tokens (``audit.runner.length_matched``), so the receiver still reads this task itself and
@@ -39,7 +42,7 @@ from kvrelay.audit.runner import length_matched
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
 
-METHODS = ("receiver", "sharer", "text", "text_full", "ridge", "fuser")
+METHODS = ("receiver", "sharer", "text", "text_full", "ridge", "layers", "fuser")
 MESSAGE = "Another assistant read the material and answered: {msg}"
 
 
@@ -62,22 +65,25 @@ def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched:
 
 def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: Sequence[str] = METHODS, *,
               max_new_tokens: int = 16, progress: Callable | None = None, done: Sequence[Trial] = (),
-              sink: Callable[[Trial], None] | None = None, fuser=None) -> list[Trial]:
-    """Every method on every task (and ``ridge`` / ``fuser`` on another task's payload); one greedy answer each.
+              sink: Callable[[Trial], None] | None = None, fuser=None, layers=None) -> list[Trial]:
+    """Every method on every task (and ``ridge`` / ``layers`` / ``fuser`` on another task's payload); one
+    greedy answer each.
 
-    ``adapter``: the ridge adapter (for ``ridge``); ``fuser``: a ``FuserAdapter`` (for ``fuser``).
+    ``adapter``: the ridge adapter (for ``ridge``); ``layers``: a ``LayersAdapter``; ``fuser``: a
+    ``FuserAdapter`` (for ``fuser``).
     ``done``: trials already on disk (skipped, returned as they are); ``sink`` gets each new trial as it lands.
     """
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; available: {', '.join(METHODS)}")
-    for method, adp in (("ridge", adapter), ("fuser", fuser)):
+    for method, adp in (("ridge", adapter), ("layers", layers), ("fuser", fuser)):
         if method in methods and adp is None:
             raise ValueError(f"method {method!r} needs its adapter")
     sharer = Agent(sharer_lm, "sharer", max_new_tokens=max_new_tokens)
     plain = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens)
     mapped = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=adapter)
     fused = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=fuser)
+    chosen = Agent(receiver_lm, "receiver", max_new_tokens=max_new_tokens, adapter=layers)
     have = {(t.task_id, t.method, t.mismatched): t for t in done}
     trials = list(have.values())
     reads: dict[int, tuple] = {}
@@ -117,6 +123,10 @@ def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: S
                 p = payload(j)[0]
                 r = mapped.respond(t.prompt, p)
                 add(_trial(t, "ridge", r.text, r.ttft_s, p.nbytes, mm))
+            if todo(t, "layers", mm):
+                p = payload(j)[0]
+                r = chosen.respond(t.prompt, p)
+                add(_trial(t, "layers", r.text, r.ttft_s, layers.adapt(p, receiver_lm.identity).nbytes, mm))
             if todo(t, "fuser", mm):
                 p = payload(i)[0]
                 if mm:

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-app = typer.Typer(help="Cross-model cache relay: fit adapters (ridge), evaluate translate / fuse against text.",
+app = typer.Typer(help="Cross-model cache relay: fit adapters (ridge, layers), train a fuser, evaluate translate / "
+                  "fuse against text.",
                   no_args_is_help=True)
 console = Console()
 METHODS = ("ridge", "layers", "fuser")
@@ -32,10 +33,19 @@ def _readings(sharer, texts: list[str], max_tokens: int) -> list[list[int]]:
 def fit(
     receiver: str = typer.Option("qwen2.5-coder-0.5b", help="the model that will read the mapped cache"),
     sharer: str = typer.Option("qwen2.5-coder-1.5b", help="the model whose cache is mapped"),
-    method: str = typer.Option("ridge", help="ridge (closed form); layers and fuser are not fitted here"),
-    texts: int = typer.Option(96, min=5, help="fitting texts (BoolQ, SciQ, CommonsenseQA, TriviaQA/NQ, generated)"),
-    max_tokens: int = typer.Option(384, min=16, help="tokens per text (the sharer's reading, truncated)"),
-    spread: int = typer.Option(1, min=0, help="candidate sharer layers: depth-proportional ± spread, and last-aligned"),
+    method: str = typer.Option("ridge", help="ridge (closed form) or layers (the ridge maps of the layers the "
+                               "receiver attends to most); the fuser is trained by `fuse train`"),
+    texts: int = typer.Option(96, min=5, help="ridge: fitting texts (BoolQ, SciQ, CommonsenseQA, TriviaQA/NQ, "
+                              "generated); layers: calibration problems (SciQ, CommonsenseQA, BoolQ, TriviaQA)"),
+    max_tokens: int = typer.Option(384, min=16, help="tokens per text (the sharer's reading, truncated; layers: "
+                                   "longer readings are skipped)"),
+    spread: int = typer.Option(1, min=0, help="ridge: candidate sharer layers: depth-proportional ± spread, and "
+                               "last-aligned"),
+    fraction: float = typer.Option(0.3, min=0.01, max=1.0, help="layers: share of receiver layers relayed"),
+    alpha: float = typer.Option(0.5, min=0.0, max=1.0, help="layers: weight of measured attention vs the "
+                                "mid-depth Gaussian prior"),
+    ridge_dir: Path | None = typer.Option(None, "--ridge", help="layers: the pair's ridge artefact (default: "
+                                          "committed)"),
     out: Path | None = typer.Option(None, help="artefact folder (default: artefacts/fuse/R__S__METHOD)"),
     threads: int | None = typer.Option(None, help="torch intra-op threads"),
 ):
@@ -47,13 +57,17 @@ def fit(
     from kvrelay.cli.common import load_for_cli
     from kvrelay.fuse import artefact, ridge
 
-    if method != "ridge":
-        raise v.InvalidInput(f"--method {method!r} is not fitted by `fuse fit`", "ridge (closed form)")
+    if method not in ("ridge", "layers"):
+        raise v.InvalidInput(f"--method {method!r} is not fitted by `fuse fit`",
+                             "ridge (closed form) or layers (chosen by attention)")
     v.model(receiver, "--receiver")
     v.model(sharer, "--sharer")
     v.positive(threads, "--threads")
     s_lm = load_for_cli(sharer, threads)
     r_lm = load_for_cli(receiver, threads)
+    if method == "layers":
+        _fit_layers(r_lm, s_lm, receiver, sharer, texts, max_tokens, fraction, alpha, ridge_dir, out)
+        return
     corpus = fitting_texts(texts)
     readings = _readings(s_lm, [t for _, t in corpus], max_tokens)
     cands = ridge.candidate_layers(r_lm.identity.num_layers, s_lm.identity.num_layers, spread)
@@ -69,6 +83,46 @@ def fit(
     r2k, r2v = config.metrics["r2_k"], config.metrics["r2_v"]
     console.print(f"wrote {folder}  ({state.texts} texts, {state.tokens} tokens; held-out R² K "
                   f"{min(r2k):.3f}..{max(r2k):.3f}, V {min(r2v):.3f}..{max(r2v):.3f}; layer map {list(config.layer_map)})")
+
+
+def _fit_layers(r_lm, s_lm, receiver: str, sharer: str, problems: int, max_tokens: int, fraction: float,
+                alpha: float, ridge_dir: Path | None, out: Path | None) -> None:
+    """``fuse fit --method layers``: measure per-layer attention on the ridge-mapped context, choose, save."""
+    from tqdm import tqdm
+
+    from kvrelay.agents.agent import Agent
+    from kvrelay.audit.tasks.fitting import PROBLEM_SOURCES, fitting_problems
+    from kvrelay.fuse import artefact
+    from kvrelay.fuse import layers as LY
+    from kvrelay.fuse.ridge import RidgeAdapter
+
+    rdir = ridge_dir or artefact.default_dir(receiver, sharer, "ridge")
+    ridge = RidgeAdapter.load(rdir, s_lm.tokenizer, r_lm.tokenizer)
+    reader, asker = Agent(s_lm, "sharer"), Agent(r_lm, "receiver")
+    pairs, used = [], []
+    for t in tqdm(fitting_problems(problems * 2), desc=f"sharer reads ({sharer})", unit="task"):
+        if len(pairs) >= problems:
+            break
+        if len(reader.reading_ids(t.context)) > max_tokens:
+            continue
+        pairs.append((reader.read(t.context), asker.prompt_ids(t.prompt)))
+        used.append(t.id)
+    imp = LY.importance(r_lm, ridge, pairs, progress=lambda xs: tqdm(xs, desc=f"receiver attends ({receiver})",
+                                                                     unit="task"))
+    prior = LY.gaussian_prior(len(imp))
+    score = LY.scores(imp, alpha, prior)
+    chosen = LY.select(score, LY.n_chosen(fraction, len(imp)))
+    sources: dict[str, int] = {}
+    for tid in used:
+        src = tid.split("/")[0].removeprefix("fit-")
+        sources[src] = sources.get(src, 0) + 1
+    calibration = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_problems": len(used),
+                   "max_tokens": max_tokens, "ridge_artefact": rdir.name,
+                   "regime": "shared (the sharer reads the task's context; the receiver's prompt follows it)"}
+    config, tensors = LY.to_artefact(ridge, chosen, imp, score, prior, alpha, fraction, calibration)
+    folder = artefact.save(out or artefact.default_dir(receiver, sharer, "layers"), config, tensors)
+    console.print(f"wrote {folder}  ({len(used)} problems; layers {list(chosen)} of {len(imp)}; importance "
+                  f"{float(imp.min()):.3f}..{float(imp.max()):.3f})")
 
 
 @app.command()
@@ -241,17 +295,19 @@ def eval_(
                               "arc_challenge, openbookqa, mmlu)"),
     limit: int = typer.Option(32, min=2, help="tasks per set"),
     methods: str = typer.Option(",".join(("receiver", "sharer", "text", "text_full", "ridge")),
-                                help="comma-separated: receiver, sharer, text, text_full, ridge, fuser"),
+                                help="comma-separated: receiver, sharer, text, text_full, ridge, layers, fuser"),
     max_new_tokens: int = typer.Option(16, min=1),
     seed: int = typer.Option(0, help="task order seed"),
     artefact_dir: Path | None = typer.Option(None, "--artefact", help="ridge artefact folder (default: committed)"),
     fuser_dir: Path | None = typer.Option(None, "--fuser", help="fuser artefact folder (default: committed)"),
+    layers_dir: Path | None = typer.Option(None, "--layers", help="layers artefact folder (default: committed)"),
     json_path: Path | None = typer.Option(None, "--json"),
     records: Path | None = typer.Option(None, help="every trial as JSON lines, written as it lands; an existing "
                                         "file is resumed (its trials are kept, not rerun)"),
     threads: int | None = typer.Option(None),
 ):
-    """Accuracy (bootstrap CI), median TTFT and bytes per method; pairing (matched − mismatched) for ridge."""
+    """Accuracy (bootstrap CI), median TTFT and bytes per method; pairing (matched − mismatched) for ridge,
+    layers and fuser."""
     import json
 
     from tqdm import tqdm
@@ -264,7 +320,7 @@ def eval_(
     from kvrelay.core.jsonl import read_json_lines, write_json_lines
 
     task_sets = v.names(tasks, "--tasks", available(), "squad,gen")
-    method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge", "fuser"),
+    method_list = v.names(methods, "--methods", ("receiver", "sharer", "text", "text_full", "ridge", "layers", "fuser"),
                           "receiver,ridge")
     v.model(receiver, "--receiver")
     v.model(sharer, "--sharer")
@@ -278,6 +334,13 @@ def eval_(
         from kvrelay.fuse.fuser import FuserAdapter
 
         fuser = FuserAdapter.load(fuser_dir or artefact.default_dir(receiver, sharer, "fuser"), r_lm, s_lm.tokenizer)
+    layers = None
+    if "layers" in method_list:
+        from kvrelay.fuse import artefact
+        from kvrelay.fuse.layers import LayersAdapter
+
+        layers = LayersAdapter.load(layers_dir or artefact.default_dir(receiver, sharer, "layers"), s_lm.tokenizer,
+                                    r_lm.tokenizer)
     chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
     earlier = []
     if records and records.is_file():  # resume: keep the trials already written
@@ -300,11 +363,12 @@ def eval_(
 
     trials = run_tasks(r_lm, s_lm, adapter, chosen, method_list,
                        max_new_tokens=max_new_tokens, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"),
-                       done=done, sink=sink, fuser=fuser)
+                       done=done, sink=sink, fuser=fuser, layers=layers)
     out = summarize(trials, receiver, sharer)
     out["settings"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
                        "adapter": adapter and f"{adapter.name}@{adapter.fingerprint[:16]}",
-                       "fuser": fuser and f"{fuser.name}@{fuser.fingerprint[:16]}"}  # `command` (the argv): write_json
+                       "fuser": fuser and f"{fuser.name}@{fuser.fingerprint[:16]}",
+                       "layers": layers and f"{layers.name}@{layers.fingerprint[:16]}"}  # `command` (the argv): write_json
     _print(out, receiver, sharer)
     write_json(json_path, out)
 
@@ -352,11 +416,13 @@ def ttft(
     sharer: str = typer.Option("qwen2.5-coder-1.5b"),
     tokens: int = typer.Option(2048, min=64, help="context length in tokens (a generated record)"),
     repeats: int = typer.Option(3, min=1),
-    artefact_dir: Path | None = typer.Option(None, "--artefact"),
+    method: str = typer.Option("ridge", help="ridge (every layer mapped) or layers (the chosen layers only)"),
+    artefact_dir: Path | None = typer.Option(None, "--artefact", help="the method's artefact folder (default: "
+                                             "committed)"),
     json_path: Path | None = typer.Option(None, "--json"),
     threads: int | None = typer.Option(None),
 ):
-    """Time to first token at a long context: receiver re-prefilling the text vs reading the ridge-mapped cache.
+    """Time to first token at a long context: receiver re-prefilling the text vs reading the mapped cache.
 
     The sharer's payload is built with the sharer's real tokens and geometry but random K/V (the
     adapter's cost does not depend on the values), so the sharer's own long prefill is not needed.
@@ -371,14 +437,26 @@ def ttft(
     v.model(sharer, "--sharer")
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
-    r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
+    if method not in ("ridge", "layers"):
+        raise v.InvalidInput(f"--method {method!r} has no TTFT run", "ridge or layers")
+    if method == "ridge":
+        r_lm, s_lm, adapter = _load_pair(receiver, sharer, threads, artefact_dir)
+    else:
+        from kvrelay.fuse import artefact
+        from kvrelay.fuse.layers import LayersAdapter
+
+        r_lm, s_lm, _ = _load_pair(receiver, sharer, threads, None, ridge=False)
+        adapter = LayersAdapter.load(artefact_dir or artefact.default_dir(receiver, sharer, "layers"),
+                                     s_lm.tokenizer, r_lm.tokenizer)
     text, payload = synthetic_payload(s_lm, tokens)
     prompt = "Question: What is the access code for the red vault?\nAnswer with the number only."
     text_s, mapped_s = time_ttft(r_lm, adapter, text, payload, prompt, repeats)
-    out = {"receiver": receiver, "sharer": sharer, "context_tokens": payload.num_tokens, "repeats": repeats,
-           "text_full_ttft_s": statistics.median(text_s), "ridge_ttft_s": statistics.median(mapped_s),
+    moved = adapter.adapt(payload, r_lm.identity).nbytes if method == "layers" else payload.nbytes
+    out = {"receiver": receiver, "sharer": sharer, "method": method, "context_tokens": payload.num_tokens,
+           "repeats": repeats, "text_full_ttft_s": statistics.median(text_s),
+           f"{method}_ttft_s": statistics.median(mapped_s),
            "speedup": statistics.median(text_s) / statistics.median(mapped_s), "text_full_all": text_s,
-           "ridge_all": mapped_s, "bytes": payload.nbytes}
-    console.print(f"{payload.num_tokens} context tokens: re-prefill {out['text_full_ttft_s']:.2f}s, ridge "
-                  f"{out['ridge_ttft_s']:.2f}s -> {out['speedup']:.1f}x")
+           f"{method}_all": mapped_s, "bytes": moved}
+    console.print(f"{payload.num_tokens} context tokens: re-prefill {out['text_full_ttft_s']:.2f}s, {method} "
+                  f"{out[f'{method}_ttft_s']:.2f}s -> {out['speedup']:.1f}x")
     write_json(json_path, out)

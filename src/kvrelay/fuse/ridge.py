@@ -211,38 +211,56 @@ class RidgeAdapter:
         return cls(config, tensors, bridge)
 
     def adapt(self, payload: KVPayload, receiver: ModelIdentity) -> KVPayload:
-        m = payload.meta
-        self.config.check_pair(receiver, m.model_fingerprint, where=f"{self.name}@{self.fingerprint[:16]}")
-        if m.tokenizer_hash != self.config.sharer.tokenizer_hash:
-            raise IncompatiblePayload("tokenizer_hash", self.config.sharer.tokenizer_hash, m.tokenizer_hash)
-        if payload.batch_size != 1 or not bool(payload.mask.all()):
-            raise ValueError("the ridge adapter maps one unpadded row at a time (split the batch)")
-        if not m.complete or m.codec != "raw":
-            raise IncompatiblePayload("layer_indices", "every sharer layer, raw", (m.layer_indices, m.codec))
-        r_ids, index = self.bridge.receiver_reading(payload.token_ids[0].tolist())
-        start = int(payload.positions[0, 0])
-        pos = start + torch.arange(len(r_ids), dtype=torch.int64)[None]  # (1, T_r)
-        anchor = int(self.tensors["anchor_k.0"].shape[1]) if "anchor_k.0" in self.tensors else 0
-        anchored = anchor > 0 and start == 0 and len(r_ids) > anchor and r_ids[:anchor] == self.anchor_ids
-        keys, values = [], []
-        feats = {s: sharer_features(payload, s)[:, index] for s in set(self.config.layer_map)}  # (1, T_r, F)
-        for t, s in enumerate(self.config.layer_map):
-            x1 = torch.cat((feats[s], feats[s].new_ones(*feats[s].shape[:2], 1)), -1)
-            k = unflat_heads(x1 @ self.tensors[f"w_k.{t}"], receiver.num_kv_heads)  # (1, H_r, T_r, D_r) pre-RoPE
-            v = unflat_heads(x1 @ self.tensors[f"w_v.{t}"], receiver.num_kv_heads)
-            if anchored:
-                k[0, :, :anchor], v[0, :, :anchor] = self.tensors[f"anchor_k.{t}"], self.tensors[f"anchor_v.{t}"]
-            k = align.apply_rope(k, pos, receiver.rope_for(receiver.layer_types[t]))
-            held = held_tokens(receiver.layer_types[t], receiver.sliding_window, len(r_ids))
-            keys.append(k[:, :, -held:].contiguous())
-            values.append(v[:, :, -held:].contiguous())
-        ids_t = torch.tensor([r_ids], dtype=torch.int64)
-        meta = replace(stamp(m, receiver, self), dtype="float32", codec="raw")
-        return KVPayload(tuple(keys), tuple(values), ids_t, pos, torch.ones_like(ids_t, dtype=torch.bool), meta)
+        check_source(self.config, f"{self.name}@{self.fingerprint[:16]}", payload, receiver)
+        return map_layers(self.config, self.tensors, self.bridge, payload, receiver,
+                          tuple(range(len(self.config.layer_map))), self)
 
     @property
     def anchor_ids(self) -> list[int]:
         return list(self.config.alignment.get("anchor_ids", []))
+
+
+def check_source(config: artefact.ArtefactConfig, where: str, payload: KVPayload, receiver: ModelIdentity) -> None:
+    """Refuse (typed) a payload this pair's maps were not fitted for: other models, tokenizer, batch, subset, codec."""
+    m = payload.meta
+    config.check_pair(receiver, m.model_fingerprint, where=where)
+    if m.tokenizer_hash != config.sharer.tokenizer_hash:
+        raise IncompatiblePayload("tokenizer_hash", config.sharer.tokenizer_hash, m.tokenizer_hash)
+    if payload.batch_size != 1 or not bool(payload.mask.all()):
+        raise ValueError(f"{where} maps one unpadded row at a time (split the batch)")
+    if not m.complete or m.codec != "raw":
+        raise IncompatiblePayload("layer_indices", "every sharer layer, raw", (m.layer_indices, m.codec))
+
+
+def map_layers(config: artefact.ArtefactConfig, tensors: dict, bridge: TokenBridge, payload: KVPayload,
+               receiver: ModelIdentity, layers: tuple[int, ...], adapter) -> KVPayload:
+    """``payload`` (a checked sharer reading) mapped into receiver ``layers`` with the ridge ``tensors``.
+
+    The result holds exactly ``layers`` (``meta.layer_indices``), at the receiver's tokens and positions,
+    stamped by ``adapter``.
+    """
+    r_ids, index = bridge.receiver_reading(payload.token_ids[0].tolist())
+    start = int(payload.positions[0, 0])
+    pos = start + torch.arange(len(r_ids), dtype=torch.int64)[None]  # (1, T_r)
+    anchor_ids = list(config.alignment.get("anchor_ids", []))
+    anchor = len(anchor_ids)
+    anchored = anchor > 0 and start == 0 and len(r_ids) > anchor and r_ids[:anchor] == anchor_ids
+    keys, values = [], []
+    feats = {s: sharer_features(payload, s)[:, index] for s in {config.layer_map[t] for t in layers}}  # (1, T_r, F)
+    for t in layers:
+        x = feats[config.layer_map[t]]
+        x1 = torch.cat((x, x.new_ones(*x.shape[:2], 1)), -1)
+        k = unflat_heads(x1 @ tensors[f"w_k.{t}"], receiver.num_kv_heads)  # (1, H_r, T_r, D_r) pre-RoPE
+        v = unflat_heads(x1 @ tensors[f"w_v.{t}"], receiver.num_kv_heads)
+        if anchored:
+            k[0, :, :anchor], v[0, :, :anchor] = tensors[f"anchor_k.{t}"], tensors[f"anchor_v.{t}"]
+        k = align.apply_rope(k, pos, receiver.rope_for(receiver.layer_types[t]))
+        held = held_tokens(receiver.layer_types[t], receiver.sliding_window, len(r_ids))
+        keys.append(k[:, :, -held:].contiguous())
+        values.append(v[:, :, -held:].contiguous())
+    ids_t = torch.tensor([r_ids], dtype=torch.int64)
+    meta = replace(stamp(payload.meta, receiver, adapter, layer_indices=layers), dtype="float32", codec="raw")
+    return KVPayload(tuple(keys), tuple(values), ids_t, pos, torch.ones_like(ids_t, dtype=torch.bool), meta)
 
 
 def to_artefact(state: RidgeFit, receiver: tuple[str, ModelIdentity], sharer: tuple[str, ModelIdentity],

@@ -43,6 +43,31 @@ def to_cache(p: KVPayload, config) -> DynamicCache:
     return cache
 
 
+def to_layered_cache(p: KVPayload, config) -> DynamicCache:
+    """A ``DynamicCache`` whose layers in ``p.meta.layer_indices`` hold ``p``'s tensors and the rest nothing.
+
+    The tokens a receiver then adds land in every layer, so the held layers keep ``p`` as a prefix the
+    others lack: layers hold different token counts. Attend with
+    ``models.attention.tail_aligned_attention`` (each layer's causal pattern aligned to its own length).
+    Full-attention layers only (a missing sliding layer would miscount its window).
+    """
+    cache = DynamicCache(config=config)
+    n = len(cache.layers)
+    if p.meta.num_model_layers != n:
+        raise ValueError(f"model cache has {n} layers, payload is for {p.meta.num_model_layers}")
+    if not p.meta.layer_indices:
+        raise ValueError("payload holds no layer")
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(f"layer {i} is a sliding-window layer: layered caches take full-attention models only")
+    for j, i in enumerate(p.meta.layer_indices):
+        k, v = p.keys[j], p.values[j]  # (B, H, T, D)
+        cache.layers[i].lazy_initialization(k, v)
+        cache.layers[i].keys = k
+        cache.layers[i].values = v
+    return cache
+
+
 def from_cache(cache: DynamicCache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                meta: PayloadMeta, *, copy: bool = False) -> KVPayload:
     """Snapshot a cache (after a prefill of ``token_ids``) as a payload, sharing its tensors unless ``copy``."""
