@@ -125,3 +125,25 @@ def test_training_lowers_the_answer_loss_and_resumes_exactly(tmp_path, pair, exa
     assert st.step == 5
     FT.train(resumed, receiver.model, receiver.identity, layer_map, examples, examples, cfg, st)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(net.parameters(), resumed.parameters(), strict=True))
+
+
+def test_the_best_held_out_fuser_is_kept_beside_the_last(tmp_path, pair, examples):
+    """``TrainState.best`` is the fuser at the lowest held-out loss; it survives a checkpoint round trip."""
+    receiver, _ = pair
+    layer_map = align.depth_proportional(4, 4)
+    net = F.FuserNet(4, 2 * 2 * 16, 2, 16, rank=8)
+    FT.standardise(net, examples, layer_map)
+    cfg = FT.TrainConfig(steps=12, lr=1.0, eval_every=3)  # a large step size: the held-out loss does not fall monotonically
+    state = FT.train(net, receiver.model, receiver.identity, layer_map, examples[2:], examples[:2], cfg)
+    losses = {h["step"]: h["fused"] for h in state.held}
+    assert list(losses) == [3, 6, 9, 12]
+    assert state.best["step"] == min(losses, key=losses.get) and state.best["fused"] == min(losses.values())
+    assert state.best["step"] not in (3, 12)  # neither the first nor the last: keeping either would fail here
+    kept = F.FuserNet(4, 2 * 2 * 16, 2, 16, rank=8)
+    kept.load_state_dict(state.best["net"])
+    got, _ = FT.held_losses(kept, receiver.model, receiver.identity, layer_map, examples[:2])
+    assert got == pytest.approx(state.best["fused"], abs=1e-5)  # the kept weights are the ones that scored it
+    FT.save_checkpoint(tmp_path / "c.pt", net, state)
+    back = FT.load_checkpoint(tmp_path / "c.pt", F.FuserNet(4, 2 * 2 * 16, 2, 16, rank=8))
+    assert back.best["step"] == state.best["step"]
+    assert all(torch.equal(back.best["net"][k], state.best["net"][k]) for k in state.best["net"])

@@ -138,6 +138,7 @@ def train(
     lr: float = typer.Option(1e-3, min=0.0),
     seed: int = typer.Option(0),
     eval_every: int = typer.Option(25, min=1, help="steps between held-out losses and checkpoints"),
+    keep: str = typer.Option("best", help="which fuser the artefact holds: best (lowest held-out loss) or last"),
     work: Path | None = typer.Option(None, help="checkpoints and precomputed caches (default: out/fuse-train/R__S)"),
     out: Path | None = typer.Option(None, help="artefact folder (default: artefacts/fuse/R__S__fuser)"),
     threads: int | None = typer.Option(None, help="torch intra-op threads"),
@@ -160,6 +161,8 @@ def train(
     if method != "fuser":
         raise v.InvalidInput(f"--method {method!r} is not trained by `fuse train`",
                              "fuser (ridge is fitted in closed form by `kvrelay fuse fit`)")
+    if keep not in ("best", "last"):
+        raise v.InvalidInput(f"--keep {keep!r}", "best or last")
     if held_out >= examples:
         raise v.InvalidInput(f"--held-out {held_out} leaves no training tasks of --examples {examples}",
                              "--held-out smaller than --examples")
@@ -213,9 +216,17 @@ def train(
         src = tid.split("/")[0].removeprefix("fit-")
         sources[src] = sources.get(src, 0) + 1
     last = state.held[-1] if state.held else {}
+    which = "last"
+    if keep == "best" and state.best is not None:
+        net.load_state_dict(state.best["net"])
+        last = next(h for h in state.held if h["step"] == state.best["step"])
+        which = "best"
+    elif keep == "best":
+        console.print("the checkpoint has no best-held-out record (made before it was kept): writing the last step")
     taus = [r["tau"] for r in state.train]
     training = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_examples": len(kept_ids) - held_out,
                 "held_out": kept_ids[:held_out], "max_tokens": max_tokens, "steps": state.step, "lr": lr,
+                "kept": f"{which} (step {last.get('step', state.step)})",
                 "seed": seed, "batch": 1, "tau": [taus[0], taus[-1]] if taus else None,
                 "loss": "answer tokens + end marker",
                 "regime": "shared (both models read the task's context; the receiver answers its prompt)"}
@@ -225,7 +236,8 @@ def train(
     folder = artefact.save(out or artefact.default_dir(receiver, sharer, "fuser"), config, tensors)
     curve = {"train": state.train, "held": state.held, "settings": training}
     (folder / "loss_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
-    console.print(f"wrote {folder} ({net.n_params:,} parameters, {state.step} steps; held-out answer loss "
+    console.print(f"wrote {folder} ({net.n_params:,} parameters, {state.step} steps, kept the {which} at step "
+                  f"{last.get('step', state.step)}; held-out answer loss "
                   f"{last.get('fused', float('nan')):.3f} vs receiver alone {last.get('receiver', float('nan')):.3f}; "
                   f"{last.get('open', '?')}/{len(layer_map)} gates open)")
 

@@ -8,7 +8,8 @@ fuser, the receiver's forward over prompt + answer on the fused cache, and its b
 Loss: next-token cross-entropy over the answer tokens (the gold answer, then the end-of-turn
 marker) after the prompt and the assistant opening. Gates are Gumbel-sigmoid samples whose
 temperature is annealed from ``tau0`` to ``tau1``; the held-out loss is measured with hard gates
-(what inference uses) next to the receiver alone (every gate closed) on the same examples.
+(what inference uses) next to the receiver alone (every gate closed) on the same examples; the
+fuser at the lowest held-out loss so far is kept beside the current one (``TrainState.best``).
 
 Deterministic and resumable: example order and Gumbel noise are functions of (seed, step), so a run
 resumed from a checkpoint (``save_checkpoint`` / ``load_checkpoint``) takes the same steps as one
@@ -146,6 +147,7 @@ class TrainState:
     optimizer: dict | None = None
     train: list[dict] = field(default_factory=list)  # {"step", "loss", "tau"} per step
     held: list[dict] = field(default_factory=list)  # {"step", "fused", "receiver", "open"}
+    best: dict | None = None  # {"step", "fused", "net"}: the fuser at its lowest held-out loss so far
 
 
 def example_at(step: int, n: int, seed: int) -> int:
@@ -196,6 +198,9 @@ def train(net: FuserNet, model, ident: ModelIdentity, layer_map: tuple[int, ...]
             fused, alone = held_losses(net, model, ident, layer_map, held)
             state.held.append({"step": state.step, "fused": fused, "receiver": alone,
                                "open": int(gate_values(net.gate).sum())})
+            if not math.isnan(fused) and (state.best is None or fused < state.best["fused"]):
+                state.best = {"step": state.step, "fused": fused,
+                              "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
             state.optimizer = opt.state_dict()
             if checkpoint:
                 checkpoint(state)
@@ -207,7 +212,7 @@ def save_checkpoint(path: Path, net: FuserNet, state: TrainState) -> None:
     """``net`` and ``state`` to ``path`` (written to a temporary file, then renamed: never half a checkpoint)."""
     tmp = Path(path).with_suffix(".tmp")
     torch.save({"net": net.state_dict(), "step": state.step, "optimizer": state.optimizer,
-                "train": state.train, "held": state.held}, tmp)
+                "train": state.train, "held": state.held, "best": state.best}, tmp)
     tmp.replace(path)
 
 
@@ -224,4 +229,4 @@ def net_from_checkpoint(path: Path) -> FuserNet:
 def load_checkpoint(path: Path, net: FuserNet) -> TrainState:
     d = torch.load(path, weights_only=False)
     net.load_state_dict(d["net"])
-    return TrainState(d["step"], d["optimizer"], d["train"], d["held"])
+    return TrainState(d["step"], d["optimizer"], d["train"], d["held"], d.get("best"))
