@@ -14,12 +14,10 @@ from kvrelay.agents.agent import Agent
 from kvrelay.core.errors import AdapterMismatch, IncompatiblePayload
 from kvrelay.fuse import artefact, ridge
 from kvrelay.fuse import layers as LY
-from kvrelay.fuse.adapter import mha_from_gqa
 from kvrelay.kv import transforms as T
 from kvrelay.kv.cache import to_cache, to_layered_cache
 from kvrelay.models.attention import tail_aligned_attention
 from kvrelay.models.generate import forward_all
-from kvrelay.models.identity import model_identity
 from kvrelay.models.tiny import tiny_lm
 from tests.conftest import random_ids
 
@@ -106,21 +104,9 @@ def test_choice_combines_attention_and_the_depth_prior():
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """Sharer: tiny GQA llama. Receiver: its exactly equivalent MHA copy (ridge recovers an exact map)."""
-    gqa = tiny_lm("llama")
-    mha = mha_from_gqa(gqa.model)
-    return gqa, replace(gqa, name="tiny-llama-mha", model=mha, identity=model_identity(mha, gqa.tokenizer))
-
-
-@pytest.fixture(scope="module")
-def fitted(pair):
-    sharer, receiver = pair
-    readings = [[2, 6, 8] + random_ids(40, 100 + i) for i in range(16)]
-    state = ridge.fit(sharer, receiver, readings, ridge.candidate_layers(4, 4))
-    config, tensors = ridge.to_artefact(state, ("receiver", receiver.identity), ("sharer", sharer.identity),
-                                        {"datasets": ["random token ids"]})
-    return ridge.RidgeAdapter(config, tensors)
+def rdg(fitted):
+    """The ridge fit of the exact GQA -> MHA pair (tests/fuse/conftest.py) as an adapter."""
+    return ridge.RidgeAdapter(*fitted)
 
 
 def _layers_adapter(rdg, chosen):
@@ -130,13 +116,13 @@ def _layers_adapter(rdg, chosen):
     return LY.LayersAdapter(config, tensors)
 
 
-def test_layers_adapter_relays_the_chosen_layers_only(pair, fitted):
+def test_layers_adapter_relays_the_chosen_layers_only(pair, rdg):
     sharer, receiver = pair
     sent = Agent(sharer).prefill([2, 6, 8] + random_ids(15, 7))
-    adapter = _layers_adapter(fitted, (1, 2))
+    adapter = _layers_adapter(rdg, (1, 2))
     out = adapter.adapt(sent, receiver.identity)
     assert out.meta.layer_indices == (1, 2) and out.meta.adapter.startswith("layers@")
-    full = fitted.adapt(sent, receiver.identity)
+    full = rdg.adapt(sent, receiver.identity)
     for a, b in zip(out.keys + out.values, T.select_layers(full, [1, 2]).keys + T.select_layers(full, [1, 2]).values,
                     strict=True):
         assert torch.equal(a, b)  # the ridge map, exactly, in those layers
@@ -149,17 +135,17 @@ def test_layers_adapter_relays_the_chosen_layers_only(pair, fitted):
     last = ref[0, -1].clone()
     last[sorted(reader.stop_ids)] = float("-inf")
     assert layered.token_ids[0] == int(last.argmax())
-    every = Agent(receiver, max_new_tokens=4, adapter=_layers_adapter(fitted, (0, 1, 2, 3))).respond("hi", sent)
-    assert every.token_ids == Agent(receiver, max_new_tokens=4, adapter=fitted).respond("hi", sent).token_ids
+    every = Agent(receiver, max_new_tokens=4, adapter=_layers_adapter(rdg, (0, 1, 2, 3))).respond("hi", sent)
+    assert every.token_ids == Agent(receiver, max_new_tokens=4, adapter=rdg).respond("hi", sent).token_ids
 
 
-def test_partial_payloads_need_a_partial_adapter(pair, fitted):
+def test_partial_payloads_need_a_partial_adapter(pair, rdg):
     sharer, receiver = pair
     sent = Agent(sharer).prefill(random_ids(10, 9))
-    part = _layers_adapter(fitted, (1,)).adapt(sent, receiver.identity)
+    part = _layers_adapter(rdg, (1,)).adapt(sent, receiver.identity)
     with pytest.raises(IncompatiblePayload, match="layer_indices"):
         Agent(receiver).respond("hi", part)  # the receiver's own path needs every layer
-    adapter = _layers_adapter(fitted, (1,))
+    adapter = _layers_adapter(rdg, (1,))
     with pytest.raises(ValueError, match="continue layout"):
         Agent(receiver, adapter=adapter).respond("hi", sent, return_payload=True)
     with pytest.raises(ValueError, match="continue layout"):
@@ -168,24 +154,24 @@ def test_partial_payloads_need_a_partial_adapter(pair, fitted):
         adapter.adapt(Agent(tiny_lm("llama", seed=3)).prefill(random_ids(6, 1)), receiver.identity)
 
 
-def test_layers_artefact_round_trips(tmp_path, fitted):
-    adapter = _layers_adapter(fitted, (0, 3))
+def test_layers_artefact_round_trips(tmp_path, rdg):
+    adapter = _layers_adapter(rdg, (0, 3))
     folder = artefact.save(tmp_path / "l", adapter.config, adapter.tensors)
     back = LY.LayersAdapter.load(folder)
     assert back.chosen == (0, 3) and back.config == adapter.config
     assert set(back.tensors) == {"w_k.0", "w_v.0", "w_k.3", "w_v.3", "anchor_k.0", "anchor_v.0", "anchor_k.3",
                                  "anchor_v.3"}
-    assert back.config.training["ridge_fingerprint"] == fitted.fingerprint
+    assert back.config.training["ridge_fingerprint"] == rdg.fingerprint
     with pytest.raises(ValueError, match="not layers"):
-        LY.LayersAdapter.load(artefact.save(tmp_path / "r", fitted.config, fitted.tensors))
+        LY.LayersAdapter.load(artefact.save(tmp_path / "r", rdg.config, rdg.tensors))
 
 
-def test_importance_reads_the_attention_on_the_mapped_context(pair, fitted):
+def test_importance_reads_the_attention_on_the_mapped_context(pair, rdg):
     sharer, receiver = pair
     pairs = [(Agent(sharer).prefill([2, 6, 8] + random_ids(12, 20 + i)), random_ids(4, 40 + i)) for i in range(3)]
-    imp = LY.importance(receiver, fitted, pairs)
+    imp = LY.importance(receiver, rdg, pairs)
     assert imp.shape == (4,) and bool(((imp > 0) & (imp < 1)).all())
-    mapped = fitted.adapt(pairs[0][0], receiver.identity)
+    mapped = rdg.adapt(pairs[0][0], receiver.identity)
     with_anchor = LY.prefix_attention(receiver.model, mapped, pairs[0][1], skip=0)
     content = LY.prefix_attention(receiver.model, mapped, pairs[0][1], skip=3)
     assert bool((with_anchor > content).all()) and float(with_anchor.max()) <= 1.0 + 1e-5

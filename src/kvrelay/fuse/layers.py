@@ -32,7 +32,7 @@ import torch
 
 from kvrelay.fuse import artefact
 from kvrelay.fuse.bridge import TokenBridge
-from kvrelay.fuse.ridge import RidgeAdapter, check_source, map_layers
+from kvrelay.fuse.ridge import RidgeAdapter, check_source, load_mapped, map_layers
 from kvrelay.kv.payload import KVPayload
 from kvrelay.models.identity import ModelIdentity
 
@@ -136,14 +136,7 @@ class LayersAdapter:
 
     @classmethod
     def load(cls, folder, sharer_tokenizer=None, receiver_tokenizer=None) -> LayersAdapter:
-        config, tensors = artefact.load(folder)
-        if config.method != "layers":
-            raise ValueError(f"{folder} holds a {config.method!r} adapter, not layers")
-        same = config.receiver.tokenizer_hash == config.sharer.tokenizer_hash
-        if not same and (sharer_tokenizer is None or receiver_tokenizer is None):
-            raise ValueError("this adapter crosses tokenizers: pass both models' tokenizers")
-        bridge = TokenBridge() if same else TokenBridge(sharer_tokenizer, receiver_tokenizer)
-        return cls(config, tensors, bridge)
+        return cls(*load_mapped(folder, "layers", sharer_tokenizer, receiver_tokenizer))
 
     def adapt(self, payload: KVPayload, receiver: ModelIdentity) -> KVPayload:
         """The chosen receiver layers of ``payload`` mapped (``meta.layer_indices`` = those layers)."""

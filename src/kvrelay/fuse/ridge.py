@@ -201,14 +201,7 @@ class RidgeAdapter:
 
     @classmethod
     def load(cls, folder, sharer_tokenizer=None, receiver_tokenizer=None) -> RidgeAdapter:
-        config, tensors = artefact.load(folder)
-        if config.method != "ridge":
-            raise ValueError(f"{folder} holds a {config.method!r} adapter, not ridge")
-        same = config.receiver.tokenizer_hash == config.sharer.tokenizer_hash
-        if not same and (sharer_tokenizer is None or receiver_tokenizer is None):
-            raise ValueError("this adapter crosses tokenizers: pass both models' tokenizers")
-        bridge = TokenBridge() if same else TokenBridge(sharer_tokenizer, receiver_tokenizer)
-        return cls(config, tensors, bridge)
+        return cls(*load_mapped(folder, "ridge", sharer_tokenizer, receiver_tokenizer))
 
     def adapt(self, payload: KVPayload, receiver: ModelIdentity) -> KVPayload:
         check_source(self.config, f"{self.name}@{self.fingerprint[:16]}", payload, receiver)
@@ -218,6 +211,18 @@ class RidgeAdapter:
     @property
     def anchor_ids(self) -> list[int]:
         return list(self.config.alignment.get("anchor_ids", []))
+
+
+def load_mapped(folder, method: str, sharer_tokenizer=None, receiver_tokenizer=None
+                ) -> tuple[artefact.ArtefactConfig, dict, TokenBridge]:
+    """(config, tensors, token bridge) of a ridge-map artefact of ``method`` (``ridge`` or ``layers``)."""
+    config, tensors = artefact.load(folder)
+    if config.method != method:
+        raise ValueError(f"{folder} holds a {config.method!r} adapter, not {method}")
+    same = config.receiver.tokenizer_hash == config.sharer.tokenizer_hash
+    if not same and (sharer_tokenizer is None or receiver_tokenizer is None):
+        raise ValueError("this adapter crosses tokenizers: pass both models' tokenizers")
+    return config, tensors, TokenBridge() if same else TokenBridge(sharer_tokenizer, receiver_tokenizer)
 
 
 def check_source(config: artefact.ArtefactConfig, where: str, payload: KVPayload, receiver: ModelIdentity) -> None:
