@@ -188,7 +188,7 @@ class AuditRunner:
             spent = time.perf_counter() - t0
             return [n.text for n in notes], [len(n.text.encode()) for n in notes], spent
         if arm.channel:
-            adapter = self.adapters.get(arm.name) or self.channels[arm.channel].adapter
+            adapter = self._adapter(arm)
             sent = [s.shared[arm.channel][2 if arm.mismatched_control else 0] for s in states]
             if getattr(adapter, "partial", False):  # some layers only: the receiver maps each row (``_run_arm``)
                 return sent, [adapter.adapt(p, self.lm.identity).nbytes for p in sent], 0.0
@@ -200,11 +200,13 @@ class AuditRunner:
             sizes.append(nbytes)
         return out, sizes, 0.0
 
+    def _adapter(self, arm: Arm):
+        """The adapter of a channel arm: its variant repair, else its channel's."""
+        return self.adapters.get(arm.name) or self.channels[arm.channel].adapter
+
     def _partial_adapter(self, arm: Arm):
         """The arm's adapter when its output holds some layers only (``fuse.layers``), else None."""
-        if not arm.channel:
-            return None
-        adapter = self.adapters.get(arm.name) or self.channels[arm.channel].adapter
+        adapter = self._adapter(arm) if arm.channel else None
         return adapter if getattr(adapter, "partial", False) else None
 
     def _run_arm(self, arm: Arm, states: list[_TaskState], seed: int, max_new: int) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import typer
@@ -85,6 +86,11 @@ def fit(
                   f"{min(r2k):.3f}..{max(r2k):.3f}, V {min(r2v):.3f}..{max(r2v):.3f}; layer map {list(config.layer_map)})")
 
 
+def _problem_sources(task_ids: list[str]) -> dict[str, int]:
+    """Fitting problems per source dataset, from their ids (``fit-SOURCE/i``), in first-seen order."""
+    return dict(Counter(tid.split("/")[0].removeprefix("fit-") for tid in task_ids))
+
+
 def _fit_layers(r_lm, s_lm, receiver: str, sharer: str, problems: int, max_tokens: int, fraction: float,
                 alpha: float, ridge_dir: Path | None, out: Path | None) -> None:
     """``fuse fit --method layers``: measure per-layer attention on the ridge-mapped context, choose, save."""
@@ -112,11 +118,7 @@ def _fit_layers(r_lm, s_lm, receiver: str, sharer: str, problems: int, max_token
     prior = LY.gaussian_prior(len(imp))
     score = LY.scores(imp, alpha, prior)
     chosen = LY.select(score, LY.n_chosen(fraction, len(imp)))
-    sources: dict[str, int] = {}
-    for tid in used:
-        src = tid.split("/")[0].removeprefix("fit-")
-        sources[src] = sources.get(src, 0) + 1
-    calibration = {"datasets": sources, "sources": list(PROBLEM_SOURCES), "n_problems": len(used),
+    calibration = {"datasets": _problem_sources(used), "sources": list(PROBLEM_SOURCES), "n_problems": len(used),
                    "max_tokens": max_tokens, "ridge_artefact": rdir.name,
                    "regime": "shared (the sharer reads the task's context; the receiver's prompt follows it)"}
     config, tensors = LY.to_artefact(ridge, chosen, imp, score, prior, alpha, fraction, calibration)
@@ -211,10 +213,7 @@ def train(
                                                   initial=xs.start, total=steps),
                          checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
         FT.save_checkpoint(ckpt, net, state)
-    sources: dict[str, int] = {}
-    for tid in kept_ids:
-        src = tid.split("/")[0].removeprefix("fit-")
-        sources[src] = sources.get(src, 0) + 1
+    sources = _problem_sources(kept_ids)
     last = state.held[-1] if state.held else {}
     which = "last"
     if keep == "best" and state.best is not None:

@@ -37,7 +37,6 @@ from kvrelay.kv.payload import KVPayload
 from kvrelay.models.identity import ModelIdentity
 
 ALPHA = 0.5  # weight of the measured importance against the depth prior
-FRACTION = 0.3  # share of receiver layers relayed (KVComm's headline setting)
 
 
 def n_chosen(fraction: float, n_layers: int) -> int:
