@@ -14,13 +14,15 @@ in an order that rotates between repeats (so drifting machine load hits every en
   writing exactly ``pipeline_tokens`` tokens: kvrelay relaying caches; llama.cpp re-reading the
   text (``handoff="text"``) and restoring the predecessor's state (``handoff="state"``).
 
-Medians of the repeats; the machine's limits (``bench.limits``) are measured in the same run.
+Medians of the repeats; the machine's limits (``bench.limits``) are measured in the same run. The
+1-minute load is read before every repeat and pipeline run; a reading above the benchmark's own
+threads + 0.5 stops the run with ``MachineLoaded`` unless ``allow_load`` (``bench.quiet``), and then
+the report labels every figure ``loaded``.
 ``bench.engine_report`` turns the raw measurements into the report.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -28,6 +30,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.bench.limits import BANDWIDTH_BYTES, Geometry, decode_weight_bytes, measure_limits
+from kvrelay.bench.quiet import LoadReader, load1, require_quiet
 from kvrelay.bench.relay import QUESTION, context_ids
 from kvrelay.kv import wire
 from kvrelay.kv.codecs import Compressed, compress
@@ -189,10 +192,13 @@ def gguf_file_type(path) -> str:
 
 def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new_tokens: int = 64,
                  pipeline_tokens: int = 64, codec: str = "fp16", peer_gguf=None, pipeline: bool = True,
-                 progress=None, array_bytes: int = BANDWIDTH_BYTES, pipeline_modes=None) -> dict:
+                 progress=None, array_bytes: int = BANDWIDTH_BYTES, pipeline_modes=None, allow_load: bool = False,
+                 load_reader: LoadReader = load1) -> dict:
     """Measure every kvrelay mode in ``lms`` (mode -> loaded model) and, with ``peer_gguf``, llama.cpp.
 
     ``pipeline_modes``: the kvrelay modes that also run the pipeline (default: every mode).
+    ``load_reader``: the 1-minute load now (read before each timed repeat); a reading above the threads
+    + 0.5 raises ``MachineLoaded`` unless ``allow_load``.
 
     Returns the raw measurements (``bench.engine_report.report`` makes the report of them).
     """
@@ -201,6 +207,13 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
     say = progress or (lambda msg: None)
     first = next(iter(lms.values()))
     threads = torch.get_num_threads()
+
+    def reading(when: str) -> float:
+        load = load_reader()
+        require_quiet(load, threads, allow_load, when)
+        return load
+
+    reading("before the run")  # fail before any model time is spent
     inputs = make_inputs(first, context_tokens, new_tokens)
     geometry = Geometry.from_config(first.model.config)
     say("measuring the machine's limits")
@@ -220,7 +233,7 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
     loads = []
     keys = list(sides)
     for r in range(repeats):
-        loads.append(os.getloadavg()[0])
+        loads.append(reading(f"before repeat {r + 1}"))
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
             trials[key].append(sides[key].trial())
             say(f"repeat {r + 1}/{repeats} {key}: text {trials[key][-1]['text_ttft_s']:.2f}s "
@@ -230,7 +243,8 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
     if unknown:
         raise ValueError(f"pipeline modes {unknown} are not among the measured modes {list(lms)}")
     pipe_lms = {m: lms[m] for m in modes}
-    pipes = _pipelines(first, pipe_lms, sides, context_tokens, pipeline_tokens, repeats, say) if pipeline else {}
+    pipes = _pipelines(first, pipe_lms, sides, context_tokens, pipeline_tokens, repeats, say, reading) \
+        if pipeline else {}
     raws = []
     for key, side in sides.items():
         mine = pipes.get(key, {})
@@ -239,10 +253,12 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
     return {"limits": limits.to_dict(), "geometry": asdict(geometry),
             "context_tokens": len(inputs.context_ids), "question_tokens": len(inputs.question_ids),
             "new_tokens": new_tokens, "pipeline_tokens": pipeline_tokens, "pipeline_workload": PIPELINE_WORKLOAD,
-            "threads": threads, "repeats": repeats, "codec": codec, "load1_before_repeat": loads, "engines": raws}
+            "threads": threads, "repeats": repeats, "codec": codec, "load1_before_repeat": loads,
+            "allow_load": allow_load, "engines": raws}
 
 
-def _pipelines(first, lms: dict, sides: dict, context_tokens: int, tokens: int, repeats: int, say) -> dict:
+def _pipelines(first, lms: dict, sides: dict, context_tokens: int, tokens: int, repeats: int, say,
+               reading) -> dict:
     """Every pipeline variant ``repeats`` times, interleaved: {side key: {handoff: [runs]}}."""
     from kvrelay.bench.peers.llamacpp import pipeline as peer_pipeline
 
@@ -257,9 +273,9 @@ def _pipelines(first, lms: dict, sides: dict, context_tokens: int, tokens: int, 
     out: dict = {}
     for r in range(repeats):
         for key, handoff, job in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
-            load1 = os.getloadavg()[0]
+            load = reading(f"before pipeline repeat {r + 1} ({key} {handoff})")
             run = job()
-            run["load1_before"] = load1
+            run["load1_before"] = load
             out.setdefault(key, {}).setdefault(handoff, []).append(run)
             say(f"pipeline repeat {r + 1}/{repeats} {key} {handoff}: {run['total_s']:.1f}s")
     return out

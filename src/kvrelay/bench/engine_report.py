@@ -4,7 +4,8 @@ Pure functions over plain dicts, so a recorded run (the raw dict is kept in the 
 ``raw``) re-reports the same. Row fields (a contract): ``engine``, ``mode``,
 ``prefill_tokens_per_s``, ``decode_tokens_per_s``, ``relay_ttft_s``, ``text_ttft_s``,
 ``relay_bytes``, ``decode_fraction_of_limit``, ``prefill_fraction_of_limit``; pipeline fields:
-``engine``, ``handoff``, ``total_s``. All times are medians over the repeats.
+``engine``, ``handoff``, ``total_s``. All times are medians over the repeats. ``load_average.status``
+is ``quiet`` or ``loaded`` (``bench.quiet.load_status`` of every load reading of the run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvrelay.bench.limits import (
     prefill_flops,
     prefill_fraction,
 )
+from kvrelay.bench.quiet import load_status
 
 ROW_FIELDS = ("engine", "mode", "prefill_tokens_per_s", "decode_tokens_per_s", "relay_ttft_s", "text_ttft_s",
               "relay_bytes", "decode_fraction_of_limit", "prefill_fraction_of_limit")
@@ -131,11 +133,12 @@ def report(raw: dict, *, model: str, command: str, extra: dict | None = None) ->
     limits = raw["limits"]
     rows = [engine_row(e, limits, g) for e in raw["engines"]]
     pipes = [p for e in raw["engines"] for p in pipeline_rows(e)]
+    before_pipeline = [r["load1_before"] for e in raw["engines"] for runs in e.get("pipeline", {}).values()
+                       for r in runs]
     return {
         "model": model, "command": command, "threads": raw["threads"], "repeats": raw["repeats"],
-        "load_average": {"load1_before_repeat": raw["load1_before_repeat"],
-                         "load1_before_pipeline": [r["load1_before"] for e in raw["engines"]
-                                                   for runs in e.get("pipeline", {}).values() for r in runs]},
+        "load_average": {"load1_before_repeat": raw["load1_before_repeat"], "load1_before_pipeline": before_pipeline,
+                         **load_status([*raw["load1_before_repeat"], *before_pipeline], raw["threads"])},
         "context_tokens": raw["context_tokens"], "question_tokens": raw["question_tokens"],
         "new_tokens": raw["new_tokens"], "pipeline_tokens": raw["pipeline_tokens"],
         "pipeline_workload": raw["pipeline_workload"], "codec": raw["codec"],
@@ -153,7 +156,8 @@ def markdown(res: dict) -> str:
              f"{res['model']}, {res['context_tokens']} context tokens + {res['question_tokens']} question tokens, "
              f"{res['threads']} threads, medians of {res['repeats']} interleaved repeats; machine: "
              f"{m['mem_gbs']:.1f} GB/s memory bandwidth, {m['gemm_gflops']:.0f} GFLOP/s fp32 GEMM peak; "
-             f"1-min load before each repeat: {', '.join(f'{x:.1f}' for x in res['load_average']['load1_before_repeat'])}.",
+             f"1-min load before each repeat: {', '.join(f'{x:.1f}' for x in res['load_average']['load1_before_repeat'])}"
+             f" — **{res['load_average']['status']}** (quiet: every reading <= {res['load_average']['limit']:g}).",
              "", "| engine | mode | prefill tok/s | of GEMM peak | decode tok/s | of bandwidth limit | text TTFT s "
              "| relay TTFT s | relay MB | relay = text |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:

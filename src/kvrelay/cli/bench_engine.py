@@ -54,9 +54,11 @@ def _gguf_for(model: str, gguf: Path | None) -> Path:
 
 
 def print_report(res: dict) -> None:
+    load = res["load_average"]
     t = Table(title=f"bench engine — {res['model']}, {res['context_tokens']} context tokens, {res['threads']} "
                     f"threads (medians of {res['repeats']}; machine: {res['machine']['mem_gbs']:.1f} GB/s, "
-                    f"{res['machine']['gemm_gflops']:.0f} GFLOP/s fp32 GEMM)")
+                    f"{res['machine']['gemm_gflops']:.0f} GFLOP/s fp32 GEMM; {load['status'].upper()}: "
+                    f"1-min load up to {load['max']:.1f}, quiet <= {load['limit']:g})")
     for col in ("engine", "mode", "prefill tok/s", "of GEMM peak", "decode tok/s", "of bandwidth limit",
                 "text TTFT s", "relay TTFT s", "relay MB", "relay = text"):
         t.add_column(col, justify="left" if col in ("engine", "mode") else "right")
@@ -100,6 +102,9 @@ def engine_cmd(
                                                 "(comma-separated; default: every mode of --engines)"),
     codec: str = typer.Option("fp16", help="kvrelay's payload codec on the wire (llama.cpp's state keeps f16 K/V)"),
     threads: int | None = typer.Option(None, help="threads for both engines (default: one per core)"),
+    allow_load: bool = typer.Option(False, "--allow-load", help="keep figures from a busy machine (1-minute load "
+                                    "above the threads + 0.5), labelled loaded in the table and JSON; "
+                                    "without it such a run stops with an error"),
     json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
 ):
     """Prefill, decode, relay TTFT, relayed bytes and a 5-agent pipeline: kvrelay next to llama.cpp, same GGUF,
@@ -126,7 +131,7 @@ def engine_cmd(
     gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
     raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
                        pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
-                       pipeline_modes=pipe_modes, progress=note)
+                       pipeline_modes=pipe_modes, progress=note, allow_load=allow_load)
     import torch
 
     res = report(raw, model=model, command=command_line(),

@@ -119,5 +119,15 @@ class PeerUnavailable(KVRelayError):
     """A peer engine a benchmark compares against (llama.cpp) is not installed or cannot run."""
 
 
+class MachineLoaded(KVRelayError):
+    """A timing run met a busy machine: its 1-minute load exceeded the run's own threads by more than allowed."""
+
+    def __init__(self, load1: float, threads: int, limit: float, when: str):
+        self.load1, self.threads, self.limit, self.when = load1, threads, limit, when
+        super().__init__(f"the 1-minute load average was {load1:.2f} {when}, above the benchmark's {threads} threads "
+                         f"+ 0.5; expected a quiet machine (load <= {limit:.1f}), or --allow-load to keep the "
+                         "figures labelled loaded")
+
+
 class WorkerError(KVRelayError):
     """An agent's worker process failed (it died, or a request to it raised); the message says which and why."""
