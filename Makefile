@@ -61,7 +61,7 @@ peers: setup
 	$(BIN)/pip install -q --disable-pip-version-check $(PEERS_WHEELS)/llama_cpp_python-$(PEERS_VERSION)-*.whl
 	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
-# kvrelay next to llama.cpp on the zoo model's GGUF (needs `make peers`); the README's performance figures.
+# kvrelay next to llama.cpp on the zoo model's GGUF (needs `make peers`); the figures of docs/engine.md.
 bench-engine: setup
 	flock /tmp/kvrelay-bench.lock $(BIN)/kvrelay bench engine --model $(MODEL) --context-tokens 2048 \
 		--peer llama.cpp --json docs/bench/engine_$(MODEL)_2048.json

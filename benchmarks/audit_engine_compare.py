@@ -1,7 +1,7 @@
 """Two audits of the same preset under two engine modes, paired trial by trial.
 
-    .venv/bin/python benchmarks/audit_engine_compare.py docs/audit/smoke-smollm2-135m-fp32 \\
-        docs/audit/smoke-smollm2-135m-int8 --json docs/audit/smoke-smollm2-135m-int8/vs_fp32.json
+    .venv/bin/python benchmarks/audit_engine_compare.py docs/audit/quick-qwen2.5-coder-0.5b \\
+        docs/audit/quick-qwen2.5-coder-0.5b-int8 --json docs/audit/quick-qwen2.5-coder-0.5b-int8/vs_fp32.json
 
 Trials are joined on (task_id, arm, seed). Per arm: success (mean score, in points) under each mode,
 the paired difference with a bootstrap 95% CI over tasks, and the share of identical answers. The
@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     res = compare(args.a, args.b)
+    res["command"] = " ".join([".venv/bin/python benchmarks/audit_engine_compare.py", *(argv or sys.argv[1:])])
     print(f"{'arm':16} {'trials':>6} {'A %':>6} {'B %':>6} {'B-A':>6} {'95% CI':>16} {'same answer':>11}")
     for r in res["rows"]:
         lo, hi = r["diff_ci95"]

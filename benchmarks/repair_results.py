@@ -1,4 +1,4 @@
-"""Render `kvrelay bench repair --json` files as the markdown table the README quotes.
+"""Render `kvrelay bench repair --json` files as the markdown tables docs/repair.md quotes.
 
     .venv/bin/python benchmarks/repair_results.py docs/bench/repair_variant_squad_2048.json [...]
 

@@ -257,6 +257,8 @@ def main(argv: list[str]) -> int:
         report["survivors"] = [s for s in report["survivors"] if s["module"] != name] + survivors
         missing = _explain(report["survivors"])
         report["survivors"].sort(key=lambda s: (s["module"], s["source"], s["line"]))
+        report["totals"] = {key: sum(m[key] for m in report["modules"].values()) for key in ("killed", "total")}
+        report["command"] = "make mutation"  # = python -m tests.mutation [MODULE ...], one module at a time
         REPORT.write_text(json.dumps(report, indent=2) + "\n")
         write_page(report)
     k = sum(m["killed"] for m in report["modules"].values())

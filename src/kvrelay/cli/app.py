@@ -94,7 +94,7 @@ class KVRelayGroup(TyperGroup):
 
 
 app = typer.Typer(cls=KVRelayGroup, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Relay KV caches between LLM agents, audit when it pays, decide per request.")
+                  help="Relay KV caches between LLM agents and audit when that pays.")
 bench_app = typer.Typer(no_args_is_help=True)  # its help lists its commands: set after they are mounted
 app.add_typer(bench_app, name="bench")
 console = Console()
@@ -107,7 +107,7 @@ def _root(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars, weight-loading messages or progress "
                                "notes, only results; accepted anywhere on the line"),
 ) -> None:
-    """Relay KV caches between LLM agents, audit when it pays, decide per request."""
+    """Relay KV caches between LLM agents and audit when that pays."""
 
 
 def _mount(parent: typer.Typer, module: str, name: str | None, help_text: str = "") -> None:
