@@ -13,8 +13,8 @@ import json
 import re
 
 from kvrelay.core.errors import CorruptPayload
-from kvrelay.kv.layout import TOKEN_TENSORS
-from kvrelay.kv.wire import Source, read_header, tensor_intact
+from kvrelay.kv.layout import SLIDING, TOKEN_TENSORS
+from kvrelay.kv.wire import Source, read_header, tensor_intact, unpack
 
 _LAYER = re.compile(r"^layers\.(\d+)\.([kv])(?:\.(.+))?$")
 
@@ -46,6 +46,28 @@ def _layers(h, meta: dict) -> list[dict]:
     return [rows[j] for j in sorted(rows)]
 
 
+def _layout(data: Source, h, codec: str, layers: list[dict]) -> dict:
+    """The payload's tensor layout: always ``B,H_kv,T_l,D`` on the wire (the flash and paged layouts are
+    conversions, ``kv.flash`` / ``kv.paged``), whether it holds every position or a selection (an eviction
+    or receiver-driven partial codec, or gaps in its positions), and its sliding-window layers."""
+    gapped = None
+    if "positions" in h.tensors and "mask" in h.tensors and tensor_intact(data, h, "positions") \
+            and tensor_intact(data, h, "mask"):
+        try:
+            t, _ = unpack(data, names=("positions", "mask"), verify=False)
+            pos, mask = t["positions"], t["mask"].bool()
+            steps = pos[:, 1:] - pos[:, :-1]
+            gapped = bool((steps[mask[:, 1:] & mask[:, :-1]] > 1).any())
+        except (CorruptPayload, RuntimeError, ValueError):
+            gapped = None
+    evicted = any(s.split(":")[0].startswith("evict") for s in codec.split("+"))
+    return {"name": "dense", "kv_axes": "B,H_kv,T_l,D",
+            "positions": "unknown" if gapped is None else ("gapped" if gapped else "contiguous"),
+            "selection": "partial" if (evicted or gapped) else "full",
+            "sliding_layers": sum(1 for r in layers if r["type"] == SLIDING),
+            "converts_to": {"flash": "B,T_l,H_kv,D (kv.flash)", "paged": "blocks + block table (kv.paged)"}}
+
+
 def describe(data: Source) -> dict:
     """A JSON-ready description of kvrelay/1 bytes (see the module docstring)."""
     size = memoryview(data).nbytes
@@ -65,6 +87,7 @@ def describe(data: Source) -> dict:
         "codec": h.meta.get("codec", "raw"),
         "layers": layers,
         "tokens": {"batch": ids.shape[0], "slots": ids.shape[1]} if ids is not None and len(ids.shape) == 2 else None,
+        "layout": _layout(data, h, h.meta.get("codec", "raw"), layers),
         "bytes": {"file": size, "data": size - h.data_start, "kv": sum(r["bytes"] for r in layers),
                   "tokens": sum(tensor_bytes.get(n, 0) for n in TOKEN_TENSORS),
                   "raw_fp32": int(meta["codec_raw_nbytes"]) if "codec_raw_nbytes" in meta else None},

@@ -1,0 +1,220 @@
+"""Receiver-driven partial payloads: the positions of a cache the receiver's own question attends to.
+
+The receiver sends a ``PartialRequest``: the token ids it will append after the relayed context (its
+prompt, in the continue layout) and a ``Budget``. The sender runs those tokens after its cache once
+(``evict.attention_probe``: they sit at the positions the receiver will give them, so the scores are
+the attention the receiver's first forward would pay), scores every cached position per layer and KV
+head, and keeps, per (layer, KV head), the sinks, the recent tail and the top-scored positions in
+between (``evict.evict`` in ``headwise`` mode by default; sliding-window layers keep their whole
+window, ``evict.recent_floor``). The result travels through the codec chain (``kv.codecs``: an
+optional layer subset, then raw/fp16/int8/int4).
+
+Layout (``payload.py``): keys/values per held layer ``(B, H_kv, T_l, D)``, one unpadded row.
+
+What the receiver gets and why it is exact. Keys are post-RoPE, so a kept key keeps the phase of its
+ORIGINAL position; attention between the receiver's queries and the kept keys is the attention over
+exactly those (token, position) pairs, i.e. the attention of a full prefill with the dropped
+positions masked out for the receiver's tokens (tests/kv/test_partial.py checks the logits). The
+receiver continues at the original end (the recent tail is always kept, so
+``KVPayload.next_positions`` is the sender's end). ``PartialSelection.kept`` (L, H_kv, T) bool over
+the sender's slots is that mask: True where layer l's head h kept slot t.
+
+Budgets (``Budget``; several may be given, the tightest wins): ``fraction`` of the positions,
+``top_k`` positions, or ``nbytes`` of the partial payload as it travels (after its codec). The
+sinks and recent tail always count towards the budget and are never dropped, so a budget below
+them keeps just them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvrelay.kv.codecs import Codec, Compressed, Evict, Layers, compress, parse
+from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, eviction_plan, recent_floor
+from kvrelay.kv.transforms import select_layers
+
+REQUEST_FORMAT = "kvrelay-partial-request/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How much of the cache to send; ``None`` fields are not limits."""
+
+    fraction: float | None = None  # of the payload's positions, in (0, 1]
+    top_k: int | None = None  # positions
+    nbytes: int | None = None  # bytes of the tensors that travel (``Compressed.nbytes``)
+
+    def __post_init__(self):
+        if self.fraction is None and self.top_k is None and self.nbytes is None:
+            raise ValueError("a budget needs a fraction, a top_k or an nbytes")
+        if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
+            raise ValueError(f"budget fraction must be in (0, 1], got {self.fraction!r}")
+        for name in ("top_k", "nbytes"):
+            x = getattr(self, name)
+            if x is not None and (type(x) is not int or x < 1):
+                raise ValueError(f"budget {name} must be an int >= 1, got {x!r}")
+
+    def positions(self, total: int) -> int:
+        """The most positions of ``total`` that the fraction and top-k allow (the byte limit comes later)."""
+        k = total
+        if self.fraction is not None:
+            k = min(k, max(1, math.floor(self.fraction * total + 0.5)))
+        if self.top_k is not None:
+            k = min(k, self.top_k)
+        return k
+
+
+@dataclass(frozen=True, slots=True)
+class PartialRequest:
+    """What the receiver sends the sender: its question tokens and what it can take."""
+
+    question_ids: tuple[int, ...]
+    budget: Budget
+    layers: tuple[int, ...] | None = None  # a layer subset (model indices); None = every layer
+    encoding: str = "raw"  # the codec's representation: raw | fp16 | bf16 | int8 | int4 | intN-gG
+    mode: str = "headwise"  # evict.MODES: per (layer, KV head), per layer, or one set
+    sink: int = 4
+    recent: int = 8
+
+    def __post_init__(self):
+        if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
+            raise ValueError("question_ids must be a non-empty tuple of token ids (ints >= 0)")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(f"need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}")
+        enc = parse(self.encoding)
+        if enc.stages:
+            raise ValueError(f"encoding {self.encoding!r} must be a representation only (raw, fp16, int8, ...); "
+                             "layer subsets go in layers=, selection is the budget's")
+        if self.layers is not None:
+            parse(Layers(tuple(self.layers)).name)  # increasing, distinct, non-negative
+
+    def to_bytes(self) -> bytes:
+        """The request on the wire: compact JSON (the question ids dominate)."""
+        d = {"format": REQUEST_FORMAT, "question_ids": list(self.question_ids), "fraction": self.budget.fraction,
+             "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
+             "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
+             "mode": self.mode, "sink": self.sink, "recent": self.recent}
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PartialRequest:
+        try:
+            d = json.loads(bytes(data))
+            if not isinstance(d, dict) or d.get("format") != REQUEST_FORMAT:
+                raise ValueError(f"not a {REQUEST_FORMAT} request")
+            budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
+            layers = tuple(d["layers"]) if d["layers"] is not None else None
+            return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed partial request: {e}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class PartialSelection:
+    """The sender's answer: the partial payload as it travels, what it kept, and what choosing cost."""
+
+    compressed: Compressed
+    kept: torch.Tensor = field(repr=False)  # (L_sent, H_kv, T) bool over the sender's slots, per layer sent
+    positions_kept: int  # slots per (layer, head) in the partial payload (full-attention layers)
+    positions_total: int  # slots of the sender's payload
+    score_s: float  # the probe forward over the question tokens
+    select_s: float  # top-k, gather and encoding
+
+    @property
+    def fraction(self) -> float:
+        return self.positions_kept / self.positions_total
+
+
+def _codec(request: PartialRequest, keep: float) -> Codec:
+    enc = parse(request.encoding).encoding
+    stages: tuple = (Evict(keep, request.mode, False),)
+    if request.layers is not None:
+        stages = (Layers(tuple(request.layers)), *stages)
+    return Codec(stages, enc)
+
+
+def _fixed(p, request: PartialRequest) -> tuple[int, int]:
+    """(slots always kept, slots chosen among) for one row of ``p``."""
+    T = p.num_tokens
+    head = min(request.sink, T)
+    tail = min(recent_floor(p, request.recent), T - head)
+    return head + tail, T - head - tail
+
+
+def _keep_for(p, request: PartialRequest, n: int) -> float:
+    """The eviction fraction of the middle slots that keeps ``n`` positions in all."""
+    fixed, middle = _fixed(p, request)
+    return 1.0 if middle == 0 else min(1.0, max(0, n - fixed) / middle)
+
+
+def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | None = None) -> PartialSelection:
+    """Score ``p`` (one unpadded row, every layer) by the request's question and keep what the budget allows.
+
+    ``model``: the sender's model (runs the probe); or pass ``probe`` measured already.
+    """
+    if p.batch_size != 1 or not bool(p.mask.all()):
+        raise ValueError("a partial payload is chosen for one unpadded row")
+    t0 = time.perf_counter()
+    if probe is None:
+        if model is None:
+            raise ValueError("select needs the sender's model (or a probe) to score the cache")
+        probe = attention_probe(model, p, list(request.question_ids))
+    score_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    scores = probe.scores  # (L, 1, H_kv, T)
+    T = p.num_tokens
+    n = request.budget.positions(T)
+    fixed, _ = _fixed(p, request)
+    n = max(n, fixed)
+    c = compress(p, _codec(request, _keep_for(p, request, n)), probe=probe, sink=request.sink, recent=request.recent)
+    if request.budget.nbytes is not None and c.nbytes > request.budget.nbytes:
+        c = _fit_bytes(p, request, probe, n, c)
+    keep = c.codec.stages[-1].keep
+    sent = p
+    if request.layers is not None:  # the selection is made on the layers that travel
+        idx = [p.meta.layer_indices.index(i) for i in request.layers]
+        sent, scores = select_layers(p, request.layers), scores[idx]
+    plan, _ = eviction_plan(sent, scores, keep, sink=request.sink, recent=request.recent, mode=request.mode)
+    kept = torch.zeros(len(sent.keys), scores.shape[2], T, dtype=torch.bool)  # (L_sent, H_kv, T)
+    kept.scatter_(2, plan, True)
+    for j in range(len(sent.keys)):  # sliding layers: what they hold of the kept tail
+        T_l = sent.keys[j].shape[2]
+        if T_l < T:
+            kept[j] = False
+            kept[j, :, T - min(T_l, plan.shape[2]):] = True
+    return PartialSelection(c, kept, int(plan.shape[2]), T, score_s, time.perf_counter() - t1)
+
+
+def _fit_bytes(p, request: PartialRequest, probe: AttentionProbe, n: int, c: Compressed) -> Compressed:
+    """The largest selection of at most ``n`` positions within the byte budget (bytes grow with positions)."""
+    fixed, _ = _fixed(p, request)
+    lo_c = compress(p, _codec(request, 0.0), probe=probe, sink=request.sink, recent=request.recent)
+    if lo_c.nbytes >= request.budget.nbytes or n <= fixed:
+        return lo_c  # the sinks and the recent tail are never dropped
+    lo, hi = fixed, n  # bytes(lo) <= budget < bytes(hi)
+    best = lo_c
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        m = compress(p, _codec(request, _keep_for(p, request, mid)), probe=probe, sink=request.sink,
+                     recent=request.recent)
+        if m.nbytes <= request.budget.nbytes:
+            lo, best = mid, m
+        else:
+            hi = mid
+    return best
+
+
+def full_request(question_ids, *, encoding: str = "raw", layers=None) -> PartialRequest:
+    """The request that keeps every position (the partial protocol's own full-relay reference)."""
+    return PartialRequest(tuple(int(i) for i in question_ids), Budget(fraction=1.0), layers, encoding)
+
+
+def with_budget(request: PartialRequest, **budget) -> PartialRequest:
+    return replace(request, budget=Budget(**budget))

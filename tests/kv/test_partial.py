@@ -1,0 +1,156 @@
+"""Receiver-driven partial payloads on tiny random models: exactness at 100 %, RoPE phases, budgets, inspect.
+
+The phase test is the contract a receiver depends on: attending to the partial payload gives the logits
+of a full prefill of (context + question) in which the question's tokens may not see the dropped
+positions (per layer and KV head), the context itself being computed over everything, as the sender did.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.agents.agent import Agent
+from kvrelay.agents.partial import partial_relay
+from kvrelay.kv import wire
+from kvrelay.kv.cache import to_cache
+from kvrelay.kv.describe import describe
+from kvrelay.kv.partial import Budget, PartialRequest, select
+from tests.conftest import random_ids
+
+ARCHS = ("llama", "qwen2", "gemma3")
+KEEP_MASK = "kvrelay_test_keep_mask"
+_keep: dict[int, torch.Tensor] = {}  # model layer -> (H_kv, T_total) bool keys the question rows may see
+_q_start: list[int] = [0]
+
+
+def _register_keep_mask() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask_fn(*args, **kwargs):
+        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+    def attn(module, query, key, value, attention_mask, **kwargs):
+        B, Hq, q, _ = query.shape  # (B, Hq, q, D); key (B, H_kv, kv, D)
+        H, kv = key.shape[1], key.shape[2]
+        m = attention_mask.expand(B, Hq, q, kv).clone()  # (B, Hq, q, kv) bool, True = attend
+        keep = _keep[module.layer_idx].repeat_interleave(Hq // H, dim=0)  # (Hq, kv): query heads of a group adjacent
+        m[:, :, _q_start[0]:, :] &= keep[None, :, None, :]
+        return sdpa_attention_forward(module, query, key, value, m, is_causal=False, **kwargs)
+
+    AttentionInterface.register(KEEP_MASK, attn)
+    AttentionMaskInterface.register(KEEP_MASK, mask_fn)
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_by_arch):
+    out = {}
+    for arch, lm in tiny_by_arch.items():
+        a = Agent(lm, "sender", role="read")
+        r = Agent(lm, "receiver", max_new_tokens=6)
+        out[arch] = (lm, a, r, a.prefill(random_ids(40, 7)))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_all_positions_reproduce_full_relay(cases, arch):
+    lm, sender, receiver, p = cases[arch]
+    full = receiver.respond("what is the key", p)
+    out = partial_relay(sender, p, receiver, "what is the key", Budget(fraction=1.0))
+    full_layers = [j for j, t in enumerate(p.meta.layer_types) if t == "full_attention"]
+    assert out.selection.positions_kept == p.num_tokens and bool(out.selection.kept[full_layers].all())
+    for a, b in zip((*p.keys, *p.values), (*out.payload.keys, *out.payload.values), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(out.payload.positions, p.positions)
+    assert out.response.token_ids == full.token_ids
+    assert out.hop.request_bytes > 0 and out.hop.reply_bytes > p.nbytes // 2 and out.ttft_s > out.response.ttft_s
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["headwise", "layerwise"])
+def test_selected_positions_keep_their_rope_phase(cases, arch, mode):
+    """Logits over the partial cache == logits of a full prefill with the dropped positions masked out."""
+    lm, _, receiver, p = cases[arch]
+    model = lm.model
+    q_ids = receiver.prompt_ids("which code is blue")
+    req = PartialRequest(tuple(q_ids), Budget(fraction=0.3), mode=mode, sink=2, recent=3)
+    sel = select(p, req, model=model)
+    assert sel.positions_kept < p.num_tokens  # something was dropped
+    part = sel.compressed.decompress()
+    T, q = p.num_tokens, len(q_ids)
+    pos = torch.arange(T, T + q)[None]
+    got = model(input_ids=torch.tensor([q_ids]), position_ids=pos, cache=to_cache(part, model.config),
+                use_cache=True).logits[0]  # (q, V)
+    _register_keep_mask()
+    _keep.clear()
+    for j in range(len(p.keys)):
+        _keep[j] = torch.cat((sel.kept[j], torch.ones(sel.kept.shape[1], q, dtype=torch.bool)), dim=1)  # (H, T + q)
+    _q_start[0] = T
+    ids = torch.cat((p.token_ids, torch.tensor([q_ids])), 1)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(KEEP_MASK)
+    try:
+        want = model(input_ids=ids, position_ids=torch.arange(T + q)[None], use_cache=False).logits[0, T:]
+    finally:
+        model.set_attn_implementation(before)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # and the selection matters: attending to the full cache gives other logits
+    full = model(input_ids=torch.tensor([q_ids]), position_ids=pos, cache=to_cache(p, model.config),
+                 use_cache=True).logits[0]
+    assert (full - got).abs().max() > 1e-3
+
+
+def test_sliding_layers_keep_their_window(cases):
+    lm, _, receiver, p = cases["gemma3"]
+    sel = select(p, PartialRequest(tuple(receiver.prompt_ids("which")), Budget(fraction=0.25)), model=lm.model)
+    part = sel.compressed.decompress()
+    w = p.meta.sliding_window - 1
+    for j, t in enumerate(p.meta.layer_types):
+        if t == "sliding_attention":
+            assert torch.equal(part.keys[j], p.keys[j])  # the whole window, untouched
+            assert bool(sel.kept[j, :, -w:].all()) and not sel.kept[j, :, :-w].any()
+    assert int(part.next_positions[0]) == int(p.next_positions[0])  # the receiver continues at the original end
+
+
+@pytest.mark.parametrize("encoding", ["raw", "int8", "int4"])
+def test_budgets_fraction_topk_bytes_layers(cases, encoding):
+    lm, _, receiver, p = cases["qwen2"]
+    q = tuple(receiver.prompt_ids("what is the key"))
+    topk = select(p, PartialRequest(q, Budget(top_k=20), encoding=encoding), model=lm.model)
+    assert topk.positions_kept == 20
+    full = select(p, PartialRequest(q, Budget(fraction=1.0), encoding=encoding), model=lm.model)
+    cap = full.compressed.nbytes // 2
+    fit = select(p, PartialRequest(q, Budget(nbytes=cap), encoding=encoding), model=lm.model)
+    assert fit.compressed.nbytes <= cap < select(
+        p, PartialRequest(q, Budget(top_k=fit.positions_kept + 1), encoding=encoding), model=lm.model).compressed.nbytes
+    both = select(p, PartialRequest(q, Budget(fraction=0.5, top_k=15), encoding=encoding), model=lm.model)
+    assert both.positions_kept == 15  # the tightest wins
+    sub = select(p, PartialRequest(q, Budget(fraction=0.5), layers=(0, 1), encoding=encoding), model=lm.model)
+    out = sub.compressed.decompress()
+    assert out.meta.layer_indices == (0, 1) and out.num_tokens == 20 and sub.kept.shape[0] == 2
+
+
+def test_request_wire_round_trip_and_refusals():
+    r = PartialRequest((5, 6, 7), Budget(fraction=0.25, nbytes=1000), layers=(0, 2), encoding="int8")
+    assert PartialRequest.from_bytes(r.to_bytes()) == r
+    with pytest.raises(ValueError, match="malformed partial request"):
+        PartialRequest.from_bytes(b'{"format": "something else"}')
+    with pytest.raises(ValueError, match="fraction must be in"):
+        Budget(fraction=1.5)
+    with pytest.raises(ValueError, match="needs a fraction"):
+        Budget()
+    with pytest.raises(ValueError, match="representation only"):
+        PartialRequest((1,), Budget(top_k=3), encoding="evict:0.2+int8")
+
+
+def test_inspect_names_layout_and_partial_selection(cases):
+    lm, _, receiver, p = cases["llama"]
+    sel = select(p, PartialRequest(tuple(receiver.prompt_ids("which")), Budget(fraction=0.25), mode="shared"),
+                 model=lm.model)
+    d = describe(wire.pack(*sel.compressed.to_wire()))
+    assert d["layout"]["selection"] == "partial" and d["layout"]["positions"] == "gapped"
+    assert d["layout"]["kv_axes"] == "B,H_kv,T_l,D"
+    whole = describe(wire.encode(p))
+    assert whole["layout"]["selection"] == "full" and whole["layout"]["positions"] == "contiguous"
