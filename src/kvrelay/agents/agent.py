@@ -18,7 +18,7 @@ format, every layer held) or one older than what it already holds from that prod
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -135,10 +135,11 @@ class Agent:
         return DynamicCache(config=self.model.config)
 
     # -- receiving ---------------------------------------------------------------------------
-    def check(self, p: KVPayload) -> KVPayload:
+    def check(self, p: KVPayload, rounds: RoundBook | None = None) -> KVPayload:
         """The payload this agent may attend to — ``p``, or ``p`` through its adapter — or a typed error
-        (``IncompatiblePayload``, ``StalePayload``); records its round (see ``agents.receive``)."""
-        return receive(p, self.identity, self._rounds, self.adapter)
+        (``IncompatiblePayload``, ``StalePayload``); records its round in ``rounds`` (default: the agent's
+        own book; see ``agents.receive``)."""
+        return receive(p, self.identity, self._rounds if rounds is None else rounds, self.adapter)
 
     def _prefix_payload(self) -> KVPayload | None:
         ids = self.encode(self.fmt.system(self.role))
@@ -199,13 +200,48 @@ class Agent:
             start_pos = 0
             history_ids = history_pos = None
             layered = False
-        build_s = time.perf_counter() - t0
+        return self._answer(cache, ids, start_pos, history_ids, history_pos, build_s=time.perf_counter() - t0,
+                            relayed=relayed, layout=layout, max_new_tokens=n_new, min_new_tokens=min_new_tokens,
+                            return_payload=return_payload, layered=layered)
+
+    def respond_ids(self, ids: Sequence[int], context: KVPayload | None = None, *, max_new_tokens: int | None = None,
+                    return_payload: bool = False, on_token: Callable[[torch.Tensor], None] | None = None,
+                    rounds: RoundBook | None = None) -> Response:
+        """Answer greedily after the raw token ids ``ids`` (already formatted: turns and the assistant
+        marker), continuing ``context`` (a relayed payload, checked; continue layout) or from nothing.
+
+        With a payload holding tokens ``P`` this computes what ``respond_ids(P + ids)`` computes (exact).
+        ``on_token`` sees every chosen token (a (1,) tensor, stop token included) as it is chosen.
+        ``rounds``: the round book the payload is checked against (a stateless server passes a new one per
+        request, since its clients may continue any earlier turn); default the agent's own.
+        """
+        if not ids:
+            raise ValueError("nothing to answer: empty token sequence")
+        n_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        t0 = time.perf_counter()
+        if context is None:
+            return self._answer(self._empty_cache(), list(ids), 0, None, None, build_s=time.perf_counter() - t0,
+                                relayed=0, layout="continue", max_new_tokens=n_new, return_payload=return_payload,
+                                on_token=on_token)
+        context = self.check(context, rounds)
+        if context.batch_size != 1 or not context.meta.complete or not bool(context.mask.all()):
+            raise ValueError("respond_ids continues one unpadded payload holding every layer")
+        cache = to_cache(context, self.model.config)
+        return self._answer(cache, list(ids), int(context.next_positions[0]), context.token_ids, context.positions,
+                            build_s=time.perf_counter() - t0, relayed=context.num_tokens, layout="continue",
+                            max_new_tokens=n_new, return_payload=return_payload, on_token=on_token)
+
+    def _answer(self, cache, ids: list[int], start_pos: int, history_ids, history_pos, *, build_s: float, relayed: int,
+                layout: str, max_new_tokens: int, min_new_tokens: int = 0, return_payload: bool = False,
+                layered: bool = False, on_token=None) -> Response:
+        """Prefill ``ids`` at ``start_pos..`` after ``cache`` and decode greedily: the end of every answer."""
         ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
         pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
         with tail_aligned_attention(self.model) if layered else nullcontext():
-            out = generate(self.model, cache, ids_t, pos_t, None, n_new, self.stop_ids,
+            out = generate(self.model, cache, ids_t, pos_t, None, max_new_tokens, self.stop_ids,
                            pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens,
-                           keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform)
+                           keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform,
+                           on_token=on_token)
         n = int(out.lengths[0])
         gen = out.tokens[0, :n].tolist()
         payload = None

@@ -232,6 +232,7 @@ def bench_relay_cmd(
 _mount(app, "kvrelay.cli.models", "models", "The model zoo: list, pull, info.")
 _mount(app, "kvrelay.cli.audit", "audit", "Causal audit of relayed caches: effects with CIs, report.")
 _mount(app, "kvrelay.cli.payload", None)
+_mount(app, "kvrelay.cli.serve", None)
 _mount(bench_app, "kvrelay.cli.pipeline", None)
 _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")

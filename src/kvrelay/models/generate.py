@@ -8,6 +8,7 @@ public ``forward(cache=..., position_ids=..., attention_mask=...)``; nothing is 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +47,12 @@ def forward_all(model, input_ids, position_ids, cache, attention_mask) -> torch.
 @torch.inference_mode()
 def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next_positions: torch.Tensor,
                     mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
-                    min_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    min_new_tokens: int = 0, on_token: Callable[[torch.Tensor], None] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``.
 
     Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
+    ``on_token`` sees each step's tokens (B,) as soon as they are chosen (streaming servers).
     Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists).
     """
     B = first_logits.shape[0]
@@ -70,6 +73,8 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
             logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
         tok = torch.where(done, pad, logits.argmax(dim=-1))  # (B,)
         out[:, step] = tok
+        if on_token is not None:
+            on_token(tok)
         n = step + 1
         is_stop = torch.isin(tok, stops) & ~done
         lengths += (~done & ~is_stop).long()
@@ -85,7 +90,8 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
 
 def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
-             min_new_tokens: int = 0, keep_prefill: bool = False) -> Decoded:
+             min_new_tokens: int = 0, keep_prefill: bool = False,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> Decoded:
     """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode.
 
     ``keep_prefill``: also return the cache's tensors as they were after the prefill (no copy: a
@@ -96,6 +102,6 @@ def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: 
     kept = tuple((layer.keys, layer.values) for layer in cache.layers) if keep_prefill else None
     t1 = time.perf_counter()
     tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
-                                            max_new_tokens, stop_ids, pad_id, min_new_tokens)
+                                            max_new_tokens, stop_ids, pad_id, min_new_tokens, on_token)
     t2 = time.perf_counter()
     return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1, kept)

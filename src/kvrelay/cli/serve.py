@@ -1,0 +1,58 @@
+"""``kvrelay serve``: the OpenAI-compatible gateway (``kvrelay.serve``; docs/serve.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvrelay.cli import validate as v
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, err_console, quiet_libraries, state
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+@app.command("serve")
+def serve_cmd(
+    models: str = typer.Option(..., help="comma-separated models to serve: zoo names, folders, tiny:ARCH, ..."),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)"),
+    store: str = typer.Option(None, help="where context handles' caches live: memory://, file:///DIR or "
+                              "redis://HOST:PORT/DB (default: a private redis-server for this run)"),
+    replicas: int = typer.Option(1, help="replicas per model (each answers one request at a time)"),
+    handle_ttl: float = typer.Option(600.0, help="seconds a context handle and its cache live"),
+    max_tokens: int = typer.Option(128, help="max_tokens of a request that gives none"),
+    limit_max_tokens: int = typer.Option(2048, help="the most max_tokens a request may ask for"),
+    secret_file: Path = typer.Option(None, help="file with the key that signs handles (default: a random key "
+                                     "per run, so handles do not outlive the server)"),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+):
+    """Serve models over an OpenAI-compatible API whose answers return context handles (relayed KV caches)."""
+    names = v.csv(models, "--models", "qwen2.5-coder-0.5b,smollm2-135m")
+    for n in names:
+        v.model(n, "--models")
+    v.positive(replicas, "--replicas")
+    v.positive(max_tokens, "--max-tokens")
+    v.positive(limit_max_tokens, "--limit-max-tokens", minimum=max_tokens)
+    v.positive(threads, "--threads")
+    v.engine(engine)
+    if handle_ttl <= 0:
+        raise v.InvalidInput(f"--handle-ttl {handle_ttl}", "a positive number of seconds")
+    if not 0 <= port <= 65535:
+        raise v.InvalidInput(f"--port {port}", "a TCP port in 0..65535")
+    if secret_file is not None:
+        v.existing_file(secret_file, "--secret-file")
+    if store is not None:
+        from kvrelay.transport.stores import open_store
+
+        open_store(store)  # UnknownStore (one line) before any model loads
+
+    from kvrelay.serve.server import Gateway, ServeConfig
+
+    if state.quiet:
+        quiet_libraries()
+    config = ServeConfig(models=names, host=host, port=port, store=store, replicas=replicas,
+                         handle_ttl_s=handle_ttl, max_tokens=max_tokens, limit_max_tokens=limit_max_tokens,
+                         engine=engine, threads=threads, secret_file=secret_file)
+    Gateway(config).run(on_ready=lambda url: err_console.print(f"kvrelay serve: {url}/v1 ({', '.join(names)})"))

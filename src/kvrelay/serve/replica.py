@@ -1,0 +1,271 @@
+"""One model replica: a queue of chat requests, answered one after another by one worker thread.
+
+A request's context is, in order, the messages of the handles it passes (``kv_context``) and then
+its own messages. The replica continues the first handle's cache when every check passes —
+signature, expiry, present in the store, bytes verify (``kv.wire``), content key, compatible with
+this model (``agents.receive``), and tokens equal to the handle's messages as this model tokenizes
+them — and prefills only the rest (the continue layout: exact). Otherwise it re-encodes the text
+and reports why (``Use.reason``). After answering it stores the whole turn's cache, with the
+answer re-tokenized the way a text re-send would read it, so a continuation is exact either way.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.agents.agent import Agent
+from kvrelay.agents.receive import RoundBook
+from kvrelay.core.errors import CorruptPayload, IncompatiblePayload, PayloadNotFound
+from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.transforms import select_tokens
+from kvrelay.serve import handles
+from kvrelay.serve.chat import Message, answer_start_ids, conversation_ids
+from kvrelay.serve.protocol import ChatRequest, RequestError, Usage
+from kvrelay.transport.bytestore import ByteStore
+from kvrelay.transport.keys import payload_key
+from kvrelay.transport.payloads import get_payload, put_payload
+
+REASONS = {  # why a handle's cache was not used (its text was re-encoded instead)
+    "unsigned": "its signature does not hold under this server's key (edited, or from another server)",
+    "expired": "it expired",
+    "missing": "the store no longer has its cache",
+    "corrupt": "its cache's bytes or content key do not verify",
+    "incompatible": "its cache was made by another model",
+    "mismatch": "its cache's tokens are not its messages as this model reads them",
+    "not_first": "only the first handle's cache can be continued exactly; later handles are read as text",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    """What happened to one handle of ``kv_context``."""
+
+    index: int
+    channel: str  # "kv": its cache was continued; "text": its messages were re-encoded
+    reason: str  # "" for kv, else a key of REASONS
+    tokens: int  # tokens of its context
+
+    def to_json(self) -> dict:
+        d = {"index": self.index, "channel": self.channel, "tokens": self.tokens}
+        return d | ({"fallback": self.reason, "detail": REASONS[self.reason]} if self.reason else {})
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    text: str
+    token_ids: tuple[int, ...]
+    finish: str  # "stop" (end of turn) or "length" (max_tokens reached)
+    usage: Usage
+    uses: tuple[Use, ...]
+    handle: str | None
+    queue_s: float  # waiting for the replica
+    ttft_s: float  # from arrival to the first token (queue + context + prefill)
+    decode_s: float
+    total_s: float
+
+    def ext(self, model: str) -> dict:
+        """The response's ``kvrelay`` extension object."""
+        return {"handle": self.handle, "replica_model": model, "context": [u.to_json() for u in self.uses],
+                "relayed_tokens": self.usage.relayed_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s}
+
+
+@dataclass(slots=True)
+class Job:
+    req: ChatRequest
+    opened: Sequence[handles.Opened]
+    future: Future
+    on_text: Callable[[str], None] | None
+    arrived: float
+
+
+class Deltas:
+    """The growing answer as text pieces: each piece sent once, never half a character, and together
+    exactly the final text (what a streaming client concatenates)."""
+
+    def __init__(self, agent: Agent, emit: Callable[[str], None]):
+        self.agent, self.emit = agent, emit
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tok: int) -> None:
+        if tok in self.agent.stop_ids:
+            return
+        self.ids.append(tok)
+        text = self.agent.decode(self.ids)
+        if not text.endswith("\ufffd") and text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text
+
+    def finish(self, text: str) -> None:
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+
+
+class Replica:
+    """One loaded model behind a FIFO queue and one worker thread."""
+
+    def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0,
+                 observe: Callable[[str, Result], None] | None = None):
+        self.name = name
+        self.lm = lm
+        self.agent = Agent(lm, name)
+        self.store = store
+        self.secret = secret
+        self.handle_ttl_s = handle_ttl_s
+        self.observe = observe  # metrics hook, called with (model name, result)
+        self.max_positions = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, name=f"replica-{name}", daemon=True)
+        self._thread.start()
+
+    # -- queue ---------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Requests waiting or running."""
+        with self._lock:
+            return self._q.qsize() + self._busy
+
+    def submit(self, req: ChatRequest, opened: Sequence[handles.Opened],
+               on_text: Callable[[str], None] | None = None) -> Future:
+        """Queue a request; the future resolves to a ``Result``. ``on_text`` receives the answer in pieces
+        (from the worker thread) before the future resolves."""
+        fut: Future = Future()
+        self._q.put(Job(req, opened, fut, on_text, time.perf_counter()))
+        return fut
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is queued, then stop the worker."""
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            with self._lock:
+                self._busy = 1
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    res = self.answer(job.req, job.opened, job.on_text, arrived=job.arrived)
+                    job.future.set_result(res)
+                    if self.observe is not None:
+                        self.observe(self.name, res)
+            except BaseException as err:  # the caller sees every failure
+                if not job.future.done():
+                    job.future.set_exception(err)
+            finally:
+                with self._lock:
+                    self._busy = 0
+
+    # -- one request ---------------------------------------------------------------------------
+    def _cache_for(self, o: handles.Opened) -> tuple[KVPayload | None, str]:
+        """The first handle's cache and "" when every check passes, else (None, reason)."""
+        h = o.handle
+        if not o.signed:
+            return None, "unsigned"
+        if time.time() > h.expires:
+            return None, "expired"
+        if h.fingerprint != self.lm.identity.fingerprint:
+            return None, "incompatible"
+        if self.store is None:
+            return None, "missing"
+        try:
+            p = get_payload(self.store, h.key, expect=self.lm.identity)
+        except PayloadNotFound:
+            return None, "missing"
+        except IncompatiblePayload:
+            return None, "incompatible"
+        except CorruptPayload:
+            return None, "corrupt"
+        try:
+            if payload_key(p) != h.key:
+                return None, "corrupt"
+        except ValueError:
+            return None, "corrupt"
+        if p.token_ids[0].tolist() != conversation_ids(self.agent, h.messages):
+            return None, "mismatch"
+        return p, ""
+
+    def plan(self, req: ChatRequest, opened: Sequence[handles.Opened]) -> tuple[KVPayload | None, list[int],
+                                                                                 list[Message], list[Use]]:
+        """(cache to continue or None, tokens to prefill after it, the whole conversation, one Use per handle)."""
+        uses: list[Use] = []
+        cache = None
+        rest: list[Message] = []
+        for i, o in enumerate(opened):
+            n = len(conversation_ids(self.agent, o.handle.messages))
+            if i == 0:
+                cache, reason = self._cache_for(o)
+                uses.append(Use(0, "kv" if cache is not None else "text", reason, n))
+                if cache is None:
+                    rest += o.handle.messages
+            else:
+                uses.append(Use(i, "text", "not_first", n))
+                rest += o.handle.messages
+        rest += req.messages
+        whole = handles.context_messages(opened) + list(req.messages)
+        ids = conversation_ids(self.agent, rest) + answer_start_ids(self.agent)
+        held = cache.num_tokens if cache is not None else 0
+        if self.max_positions and held + len(ids) + req.max_tokens > self.max_positions:
+            raise RequestError(f"this conversation has {held + len(ids)} tokens and asks for up to {req.max_tokens} "
+                               f"more, over {self.name}'s {self.max_positions} positions; expected fewer tokens "
+                               "or a smaller max_tokens", param="messages", code="context_length_exceeded")
+        return cache, ids, whole, uses
+
+    def answer(self, req: ChatRequest, opened: Sequence[handles.Opened],
+               on_text: Callable[[str], None] | None = None, *, arrived: float | None = None) -> Result:
+        t0 = time.perf_counter()
+        arrived = t0 if arrived is None else arrived
+        cache, ids, whole, uses = self.plan(req, opened)
+        first: list[float] = []
+        deltas = Deltas(self.agent, on_text) if on_text is not None else None
+
+        def seen(tok: torch.Tensor) -> None:  # (1,)
+            if not first:
+                first.append(time.perf_counter())
+            if deltas is not None:
+                deltas.push(int(tok[0]))
+
+        want = req.kv_handle and self.store is not None
+        r = self.agent.respond_ids(ids, cache, max_new_tokens=req.max_tokens, return_payload=want, on_token=seen,
+                                   rounds=RoundBook())
+        if deltas is not None:
+            deltas.finish(r.text)
+        handle = self._store_turn(r.payload, whole + [Message("assistant", r.text)]) if want else None
+        finish = "length" if len(r.token_ids) >= req.max_tokens else "stop"
+        held = cache.num_tokens if cache is not None else 0
+        t1 = time.perf_counter()
+        return Result(r.text, r.token_ids, finish, Usage(held + len(ids), len(r.token_ids), held), tuple(uses),
+                      handle, t0 - arrived, (first[0] if first else t1) - arrived, r.decode_s, t1 - arrived)
+
+    def _store_turn(self, p: KVPayload, messages: list[Message]) -> str:
+        """Store the turn's cache holding exactly ``messages`` as this model tokenizes them; return its handle.
+
+        The generated tokens are what the model wrote; a client re-sending the answer as text gets it
+        re-tokenized, which may split differently. The cache is cut where the two first differ and the
+        rest prefilled, so continuing the handle and re-sending the text read the same tokens.
+        """
+        want = conversation_ids(self.agent, messages)
+        have = p.token_ids[0].tolist()
+        common = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b), min(len(have), len(want)))
+        if common < len(have) or common < len(want):
+            try:
+                p = self.agent.extend(select_tokens(p, range(common)), want[common:]) if common else None
+            except ValueError:  # a sliding-window layer no longer holds the cut: read it all again
+                p = None
+            if p is None:
+                p = self.agent.prefill(want)
+        key = put_payload(self.store, p, ttl_s=self.handle_ttl_s)
+        h = handles.Handle(key, self.name, self.lm.identity.fingerprint, time.time() + self.handle_ttl_s,
+                           tuple(messages))
+        return handles.encode(h, self.secret)
