@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
-# The main job: one relay (kv vs text), the relay and pipeline benchmarks, a short audit with its report.
+# The main job: one relay (kv vs text), the relay and pipeline benchmarks, a short audit with its report,
+# and a `doctor link` check of the model's own link (docs/doctor.md).
 demo: setup
 	$(BIN)/kvrelay models pull $(MODEL)
 	$(BIN)/kvrelay relay --model $(MODEL) --context docs/demo/context.md \
@@ -28,6 +29,7 @@ demo: setup
 	$(BIN)/kvrelay bench pipeline --workflow review3 --model $(MODEL) --context-tokens 1024 --repeats 1 \
 		--json $(OUT)/pipeline_review3.json
 	$(BIN)/kvrelay audit --preset quick --model $(MODEL) --limit 12 --out $(OUT)/audit
+	$(BIN)/kvrelay doctor link --model $(MODEL) --json $(OUT)/doctor_link.json
 	@echo "audit report: $(abspath $(OUT)/audit/report.html)"
 
 lint: setup
