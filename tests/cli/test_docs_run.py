@@ -26,6 +26,13 @@ RUNS = [
     ("relay", ["relay", "--model", SMOL, "--context", "docs/demo/context.md", "--question", QUESTION,
                "--layout", "continue", "--max-new-tokens", "8", "--json", "{tmp}/relay.json"],
      ["identical answers: True", "kv (relayed cache)"]),
+    ("relay-partial", ["relay", "--model", SMOL, "--context", "docs/demo/context.md", "--question", QUESTION,
+                       "--partial", "0.25", "--partial-encoding", "int8", "--max-new-tokens", "6"],
+     ["kv partial 0.25"]),
+    ("bench-partial", ["bench", "partial", "--model", SMOL, "--tasks", "gen_easy", "--limit", "2", "--budgets",
+                       "0.25", "--encodings", "raw,int8", "--methods", "full,receiver_driven,none",
+                       "--max-new-tokens", "4", "--message-tokens", "8", "--threads", "2",
+                       "--records", "{tmp}/partial.jsonl", "--json", "{tmp}/partial.json"], ["bench partial"]),
     ("relay-text", ["relay", "--model", SMOL, "--context-text", "The parser drops the last line.", "--question",
                     "What does the parser drop?", "--max-new-tokens", "6"], ["text (re-encode)"]),
     ("bench-relay", ["bench", "relay", "--model", SMOL, "--context-tokens", "64,96", "--repeats", "1",
@@ -113,7 +120,7 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",
-                 "bench-engine": "kvrelay bench engine --json"}
+                 "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:

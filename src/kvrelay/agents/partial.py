@@ -66,22 +66,26 @@ def make_request(receiver: Agent, question: str, budget: Budget, **options) -> P
     return PartialRequest(tuple(receiver.prompt_ids(question)), budget, **options)
 
 
-def serve_request(sender: Agent, payload: KVPayload, data) -> tuple[bytes, PartialSelection, float]:
-    """The sender's side: request bytes in, kvrelay/1 bytes of the partial payload out (+ seconds to pack)."""
+def serve_request(sender: Agent, payload: KVPayload, data, probe=None) -> tuple[bytes, PartialSelection, float]:
+    """The sender's side: request bytes in, kvrelay/1 bytes of the partial payload out (+ seconds to pack).
+
+    ``probe``: the attention of the request's tokens over ``payload`` measured already (then the
+    selection's ``score_s`` is 0 and the caller accounts for the probe once)."""
     request = PartialRequest.from_bytes(bytes(data))
-    sel = select(payload, request, model=sender.model)
+    sel = select(payload, request, model=sender.model, probe=probe)
     t0 = time.perf_counter()
     reply = wire.pack(*sel.compressed.to_wire())
     return reply, sel, time.perf_counter() - t0
 
 
 def partial_relay(sender: Agent, payload: KVPayload, receiver: Agent, question: str, budget: Budget, *,
-                  store=None, key: str | None = None, max_new_tokens: int | None = None,
+                  store=None, key: str | None = None, max_new_tokens: int | None = None, probe=None,
                   **options) -> PartialOutcome:
     """``receiver`` answers ``question`` from the part of ``sender``'s ``payload`` its question selects.
 
     ``options`` go to ``PartialRequest`` (``layers``, ``encoding``, ``mode``, ``sink``, ``recent``).
-    ``store``: any byte store both sides reach (default: an in-process ``MemoryStore``).
+    ``store``: any byte store both sides reach (default: an in-process ``MemoryStore``). ``probe``: see
+    ``serve_request`` (benchmarks sweeping budgets score a cache once).
     """
     store = MemoryStore("partial") if store is None else store
     key = key or f"partial-{uuid.uuid4().hex[:12]}"
@@ -91,7 +95,7 @@ def partial_relay(sender: Agent, payload: KVPayload, receiver: Agent, question: 
     store.put_bytes(f"{key}.request", req_bytes)
     got = store.get_bytes(f"{key}.request")  # the sender's read
     t1 = time.perf_counter()
-    reply, sel, pack_s = serve_request(sender, payload, got)
+    reply, sel, pack_s = serve_request(sender, payload, got, probe)
     t2 = time.perf_counter()
     store.put_bytes(f"{key}.partial", reply)
     data = store.get_bytes(f"{key}.partial")  # the receiver's read

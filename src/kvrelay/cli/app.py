@@ -132,6 +132,7 @@ def context_input(context: Path | None, context_text: str | None) -> str:
     return v.nonempty_text(context_text, "--context-text")
 
 
+PARTIAL_ENCODINGS = ("raw", "fp16", "bf16", "int8", "int4")
 RELAY_RESERVE = 128  # tokens kept for the receiver's role and question around the relayed context
 
 
@@ -145,6 +146,10 @@ def relay(
                                "replace: receiver keeps its own prefix, payload is RoPE-shifted behind it"),
     role: str = typer.Option("", help="receiver role prompt (used as its prefix in the replace layout)"),
     max_new_tokens: int = typer.Option(48, help="tokens the receiver may write (it stops earlier at its end token)"),
+    partial: float = typer.Option(None, help="also relay only this fraction of the positions, chosen by the "
+                                  "receiver's question (receiver-driven partial relay, docs/layouts.md); the "
+                                  "request hop is measured and counted in its TTFT"),
+    partial_encoding: str = typer.Option("raw", help="the partial payload's representation: raw, fp16, int8, int4"),
     json_path: Path = typer.Option(None, "--json", help="write the result as JSON"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
@@ -154,6 +159,11 @@ def relay(
     text_in = context_input(context, context_text)
     v.nonempty_text(question, "--question")
     v.choice(layout, "--layout", LAYOUTS)
+    v.fraction(partial, "--partial")
+    v.choice(partial_encoding, "--partial-encoding", PARTIAL_ENCODINGS)
+    if partial is not None and layout != "continue":
+        raise v.InvalidInput("--partial with --layout replace", "--layout continue (a partial payload is read "
+                             "at its original positions)")
     v.positive(max_new_tokens, "--max-new-tokens")
     v.writable_path(json_path, "--json")
     v.engine(engine)
@@ -173,11 +183,26 @@ def relay(
               "identical": kv.token_ids == text.token_ids, "kv_ttft_s": kv.ttft_s, "text_ttft_s": text.ttft_s,
               "context_tokens": payload.num_tokens, "payload_bytes": payload.nbytes,
               "ttft_speedup": text.ttft_s / kv.ttft_s}
+    if partial is not None:
+        from kvrelay.agents.partial import partial_relay
+        from kvrelay.kv.partial import Budget
+
+        part = partial_relay(sender, payload, receiver, question, Budget(fraction=partial), encoding=partial_encoding)
+        result["partial"] = {"fraction": partial, "encoding": partial_encoding, "answer": part.response.text,
+                             "identical_to_kv": part.response.token_ids == kv.token_ids,
+                             "positions_kept": part.selection.positions_kept,
+                             "positions_total": part.selection.positions_total,
+                             "bytes": part.hop.reply_bytes, "ttft_s": part.ttft_s,
+                             "receiver_ttft_s": part.response.ttft_s, **part.hop.to_json()}
     t = Table(title=f"relay on {model} ({layout}, {payload.num_tokens} context tokens)")
     for c in ("channel", "TTFT s", "answer"):
         t.add_column(c)
     t.add_row("text (re-encode)", f"{text.ttft_s:.3f}", text.text)
     t.add_row("kv (relayed cache)", f"{kv.ttft_s:.3f}", kv.text)
+    if partial is not None:
+        pr = result["partial"]
+        t.add_row(f"kv partial {partial:g} ({pr['positions_kept']}/{pr['positions_total']} positions)",
+                  f"{pr['ttft_s']:.3f}", pr["answer"])
     console.print(t)
     console.print(f"identical answers: {result['identical']}   TTFT speedup: {result['ttft_speedup']:.1f}x   "
                   f"payload: {payload.nbytes / 1e6:.1f} MB")
@@ -239,6 +264,7 @@ _mount(bench_app, "kvrelay.cli.transfer", None)
 _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, evaluate translate / fuse.")
 _mount(bench_app, "kvrelay.cli.repair", None)
 _mount(bench_app, "kvrelay.cli.bench_engine", None)
+_mount(bench_app, "kvrelay.cli.bench_partial", None)
 bench_app.info.help = "Measurements: " + ", ".join(c.name for c in bench_app.registered_commands) + "."
 
 

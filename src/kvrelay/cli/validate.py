@@ -46,6 +46,13 @@ def positive(n: int | None, flag: str, minimum: int = 1) -> int | None:
     return n
 
 
+def fraction(x: float | None, flag: str) -> float | None:
+    """``x`` (None passes) must be a fraction in (0, 1]."""
+    if x is not None and not 0 < x <= 1:
+        raise InvalidInput(f"{flag} {x:g} is not a fraction of the positions", "a number in (0, 1], such as 0.25")
+    return x
+
+
 def nonempty_text(value: str | None, flag: str) -> str:
     if value is None or not value.strip():
         raise InvalidInput(f"{flag} is empty", "some text")

@@ -162,11 +162,12 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
     t0 = time.perf_counter()
+    given = probe is not None
     if probe is None:
         if model is None:
             raise ValueError("select needs the sender's model (or a probe) to score the cache")
         probe = attention_probe(model, p, list(request.question_ids))
-    score_s = time.perf_counter() - t0
+    score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
     scores = probe.scores  # (L, 1, H_kv, T)
     T = p.num_tokens

@@ -1,0 +1,218 @@
+"""``bench partial``: accuracy against bytes for receiver-driven partial relay and what it competes with.
+
+On each task the sender reads the document once (the audit's sender role) and the receiver answers
+the task's question (the audit's receiver role) from, per method:
+
+* ``full`` — the whole payload (budget 1);
+* ``receiver_driven`` — the positions the receiver's own prompt attends to (``kv.partial``), at each
+  budget (fraction of positions); ``receiver_driven+int8`` the same payload int8-coded;
+* ``evict_agnostic`` — the same budget chosen without the question (the sender's own last tokens
+  re-read as probes, ``evict.attention_probe`` without ``probe_ids``: question-agnostic eviction);
+  ``evict_agnostic+int8`` likewise;
+* ``text_message`` — a note the sender writes for the receiver (``audit.runner.MESSAGE_PROMPT``);
+* ``text_full`` — the receiver re-reads the document's tokens; ``none`` — the question alone.
+
+Per (method, budget): accuracy in points (0–100, BCa CI), the paired difference against ``full`` on the
+same tasks (BCa CI of per-task differences, ``audit.bootstrap``), the mean bytes that travel (kvrelay/1
+bytes for payloads, UTF-8 bytes for text) and the median receiver TTFT. For partial methods the TTFT
+counts the extra hop (request bytes, the sender's scoring forward, selection, reply; ``agents.partial``);
+for ``text_message`` the sender's writing is reported apart (``sender_s``).
+
+Trials can be kept as JSON lines (one line per method and budget, a task's lines written together): a
+later run with the same setup reads them back and runs only the missing tasks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from kvrelay.agents.agent import Agent
+from kvrelay.agents.partial import partial_relay
+from kvrelay.audit.bootstrap import bca_ci
+from kvrelay.audit.runner import MESSAGE_PROMPT, RECEIVER_ROLE, SENDER_ROLE
+from kvrelay.audit.tasks.scoring import score
+from kvrelay.audit.tasks.task import Task
+from kvrelay.kv import wire
+from kvrelay.kv.evict import attention_probe
+from kvrelay.kv.partial import Budget
+
+FULL, RECEIVER, AGNOSTIC = "full", "receiver_driven", "evict_agnostic"
+TEXT_METHODS = ("text_message", "text_full", "none")
+METHODS = (FULL, RECEIVER, AGNOSTIC, *TEXT_METHODS)
+DEFAULT_BUDGETS = (0.05, 0.1, 0.25, 0.5, 1.0)
+ENCODINGS = ("raw", "int8")
+FIELDS = ("method", "budget", "bytes", "accuracy", "ci_low", "ci_high", "delta_vs_full", "delta_ci_low",
+          "delta_ci_high", "ttft_s", "n")
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    task: str
+    task_set: str
+    method: str  # e.g. receiver_driven, receiver_driven+int8, text_message
+    budget: float  # fraction of positions asked for (1 for full and the text methods)
+    score: float  # 0..1
+    bytes: int
+    ttft_s: float
+    sender_s: float
+    kept: float  # fraction of positions actually kept (sinks and recent tail are never dropped)
+    context_tokens: int
+
+
+def _method_name(base: str, encoding: str) -> str:
+    return base if encoding == "raw" else f"{base}+{encoding}"
+
+
+def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets: Sequence[float],
+             encodings: Sequence[str], methods: Sequence[str], message_tokens: int) -> list[Trial]:
+    """Every method on one task; the document read once."""
+    payload = sender.read(task.context)
+    T = payload.num_tokens
+    out = []
+
+    def trial(method: str, budget: float, r, nbytes: int, ttft: float, sender_s: float = 0.0, kept: float = 1.0):
+        out.append(Trial(task.id, task_set, method, budget, score(task, r.text), nbytes, ttft, sender_s, kept, T))
+
+    if FULL in methods:
+        r = receiver.respond(task.prompt, payload)
+        trial(FULL, 1.0, r, len(wire.encode(payload)), r.ttft_s)
+    probes = {}
+    if RECEIVER in methods:
+        t0 = time.perf_counter()
+        probes[RECEIVER] = (attention_probe(sender.model, payload, receiver.prompt_ids(task.prompt)),
+                            time.perf_counter() - t0)
+    if AGNOSTIC in methods:
+        t0 = time.perf_counter()
+        probes[AGNOSTIC] = (attention_probe(sender.model, payload), time.perf_counter() - t0)
+    for base, (probe, probe_s) in probes.items():
+        for enc in encodings:
+            for b in budgets:
+                o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=b), probe=probe,
+                                  encoding=enc)
+                trial(_method_name(base, enc), b, o.response, o.hop.reply_bytes, o.ttft_s + probe_s,
+                      kept=o.selection.fraction)
+    if "text_full" in methods:
+        r = receiver.respond(task.prompt, payload.token_ids)
+        trial("text_full", 1.0, r, len(task.context.encode()), r.ttft_s)
+    if "text_message" in methods:
+        t0 = time.perf_counter()
+        note = sender.respond(MESSAGE_PROMPT.format(question=task.prompt), payload, max_new_tokens=message_tokens)
+        spent = time.perf_counter() - t0
+        r = receiver.respond(task.prompt, note.text)
+        trial("text_message", 1.0, r, len(note.text.encode()), r.ttft_s, sender_s=spent)
+    if "none" in methods:
+        r = receiver.respond(task.prompt, None)
+        trial("none", 1.0, r, 0, r.ttft_s)
+    return out
+
+
+def run(lm, tasks: Sequence[tuple[str, Task]], *, budgets: Sequence[float] = DEFAULT_BUDGETS,
+        encodings: Sequence[str] = ENCODINGS, methods: Sequence[str] = METHODS, max_new_tokens: int = 12,
+        message_tokens: int = 64, done: Sequence[Trial] = (), sink: Callable[[list[Trial]], None] | None = None,
+        progress: bool = True) -> list[Trial]:
+    """Every method on every ``(task_set, task)``; tasks already in ``done`` are taken from there."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; expected some of {list(METHODS)}")
+    sender = Agent(lm, "sender", SENDER_ROLE)
+    receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=max_new_tokens)
+    have: dict[str, list[Trial]] = {}
+    for t in done:
+        have.setdefault(t.task, []).append(t)
+    trials: list[Trial] = []
+    for task_set, task in tqdm(tasks, desc="bench partial", disable=not progress):
+        if task.id in have:
+            trials += have[task.id]
+            continue
+        mine = run_task(sender, receiver, task, task_set, budgets, encodings, methods, message_tokens)
+        trials += mine
+        if sink is not None:
+            sink(mine)
+    return trials
+
+
+def _ci(values: np.ndarray) -> tuple[float | None, float | None]:
+    if len(values) < 2:
+        return None, None
+    ci = bca_ci(values, seed=0)
+    return ci.low, ci.high
+
+
+def summarize(trials: Sequence[Trial]) -> list[dict]:
+    """One row per (method, budget) (``FIELDS`` and a few more): points 0–100, paired against ``full``."""
+    full = {t.task: t for t in trials if t.method == FULL}
+    groups: dict[tuple[str, float], list[Trial]] = {}
+    for t in trials:
+        groups.setdefault((t.method, t.budget), []).append(t)
+    rows = []
+    for (method, budget), mine in groups.items():
+        acc = np.array([100 * t.score for t in mine])
+        lo, hi = _ci(acc)
+        paired = [t for t in mine if t.task in full]
+        diff = np.array([100 * (t.score - full[t.task].score) for t in paired])
+        dlo, dhi = _ci(diff) if method != FULL else (0.0, 0.0)
+        full_bytes = statistics.mean(full[t.task].bytes for t in paired) if paired else None
+        rows.append({
+            "method": method, "budget": budget, "bytes": statistics.mean(t.bytes for t in mine),
+            "bytes_vs_full": (statistics.mean(t.bytes for t in paired) / full_bytes) if full_bytes else None,
+            "kept": statistics.mean(t.kept for t in mine),
+            "accuracy": float(acc.mean()), "ci_low": lo, "ci_high": hi,
+            "delta_vs_full": float(diff.mean()) if len(diff) else None, "delta_ci_low": dlo, "delta_ci_high": dhi,
+            "ttft_s": statistics.median(t.ttft_s for t in mine),
+            "sender_s": statistics.median(t.sender_s for t in mine),
+            "n": len(mine), "task_sets": sorted({t.task_set for t in mine}),
+        })
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows.sort(key=lambda r: (order.get(r["method"].split("+")[0], 99), r["method"], r["budget"]))
+    return rows
+
+
+def trial_row(setup: dict, trial: Trial) -> dict:
+    return {"setup": setup, **asdict(trial)}
+
+
+def select_trials(rows: Sequence[dict], setup: dict, where: object = "records") -> list[Trial]:
+    """The :func:`trial_row` rows run with exactly ``setup``, as trials (others are left alone)."""
+    fields = set(Trial.__dataclass_fields__)
+    out = []
+    for i, row in enumerate(rows, 1):
+        if not fields <= set(row) or "setup" not in row:
+            raise ValueError(f"{where}: line {i}: expected a bench partial trial with setup and {sorted(fields)}")
+        if row["setup"] == setup:
+            out.append(Trial(**{f: row[f] for f in fields}))
+    return out
+
+
+def plot(rows: Sequence[dict], path) -> None:
+    """The accuracy–bytes frontier: accuracy (95% CI) against bytes that travel, log scale (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["bytes"])
+        x = [max(r["bytes"], 1) for r in mine]
+        y = [r["accuracy"] for r in mine]
+        err = [[max(0.0, r["accuracy"] - (r["ci_low"] if r["ci_low"] is not None else r["accuracy"])) for r in mine],
+               [max(0.0, (r["ci_high"] if r["ci_high"] is not None else r["accuracy"]) - r["accuracy"]) for r in mine]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method, ls="-" if len(mine) > 1 else "none")
+        if len(mine) > 1:
+            for r, xi in zip(mine, x, strict=True):
+                ax.annotate(f"{r['budget']:g}", (xi, r["accuracy"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set(xlabel="bytes sent to the receiver (log)", ylabel="accuracy (points, 95% CI)",
+           title="accuracy vs bytes: receiver-driven partial relay")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

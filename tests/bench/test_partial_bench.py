@@ -1,0 +1,72 @@
+"""`bench partial`: paired statistics in points, budget-1 partial relay equals full relay, resumable records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvrelay.bench.partial import Trial, run, summarize
+from kvrelay.cli.app import app
+
+
+def t(task: str, method: str, score: float, budget: float = 1.0, nbytes: int = 100) -> Trial:
+    return Trial(task, "gen_easy", method, budget, score, nbytes, 0.5, 0.0, budget, 40)
+
+
+def test_summarize_pairs_each_method_with_full_on_the_same_tasks():
+    trials = [t(f"k{i}", "full", 1.0, nbytes=1000) for i in range(10)]
+    trials += [t(f"k{i}", "receiver_driven", float(i < 7), 0.25, 250) for i in range(10)]
+    trials += [t(f"k{i}", "none", 0.0, nbytes=0) for i in range(10)]
+    rows = {(r["method"], r["budget"]): r for r in summarize(trials)}
+    rd = rows[("receiver_driven", 0.25)]
+    assert rd["accuracy"] == pytest.approx(70.0) and rd["delta_vs_full"] == pytest.approx(-30.0)
+    assert rd["delta_ci_low"] < -30 < rd["delta_ci_high"] <= 0
+    assert rd["bytes_vs_full"] == pytest.approx(0.25) and rd["n"] == 10
+    assert rows[("none", 1.0)]["delta_vs_full"] == pytest.approx(-100.0)
+    assert rows[("full", 1.0)]["delta_ci_low"] == 0.0
+    assert [r["method"] for r in summarize(trials)] == ["full", "receiver_driven", "none"]
+
+
+def test_full_budget_partial_answers_like_full_relay(tiny_by_arch):
+    from kvrelay.audit.tasks import load_tasks
+
+    tasks = [("gen_easy", x) for x in load_tasks("gen_easy", limit=2)]
+    trials = run(tiny_by_arch["llama"], tasks, budgets=(1.0,), encodings=("raw",),
+                 methods=("full", "receiver_driven", "evict_agnostic", "none"), max_new_tokens=4, progress=False)
+    by = {(x.task, x.method): x for x in trials}
+    for _, task in tasks:
+        full = by[(task.id, "full")]
+        for m in ("receiver_driven", "evict_agnostic"):
+            assert by[(task.id, m)].score == full.score and by[(task.id, m)].kept == 1.0
+            assert by[(task.id, m)].ttft_s > 0
+
+
+def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
+    out, rec = tmp_path / "p.json", tmp_path / "rec.jsonl"
+    argv = ["bench", "partial", "--model", "tiny:qwen2", "--tasks", "gen_easy", "--limit", "2", "--budgets", "0.25",
+            "--encodings", "raw,int8", "--methods", "full,receiver_driven,evict_agnostic,text_full,none",
+            "--max-new-tokens", "3", "--records", str(rec), "--json", str(out)]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    fields = {"method", "budget", "bytes", "accuracy", "ci_low", "ci_high", "delta_vs_full", "delta_ci_low",
+              "delta_ci_high", "ttft_s", "n"}
+    assert all(fields <= set(row) for row in d["rows"])
+    methods = {(row["method"], row["budget"]) for row in d["rows"]}
+    assert ("receiver_driven+int8", 0.25) in methods and ("evict_agnostic", 0.25) in methods
+    by = {row["method"]: row for row in d["rows"] if row["budget"] == 0.25}
+    assert by["receiver_driven+int8"]["bytes"] < by["receiver_driven"]["bytes"] < by["receiver_driven"]["bytes"] * 4
+    assert d["command"].startswith("kvrelay bench partial") and "load1_before" in d["load_average"]
+    lines = rec.read_text().splitlines()
+    r2 = CliRunner().invoke(app, argv)  # resumed: nothing rerun, same rows
+    assert r2.exit_code == 0 and rec.read_text().splitlines() == lines
+    assert json.loads(out.read_text())["rows"] == d["rows"]
+
+
+def test_bench_partial_mistakes(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "partial", "--model", "tiny:qwen2", "--budgets", "0.25,2"])
+    assert r.exit_code == 2 and "expected a number in (0, 1]" in r.output
+    r = CliRunner().invoke(app, ["bench", "partial", "--model", "tiny:qwen2", "--methods", "receiver_driven"])
+    assert r.exit_code == 2 and "full among the methods" in r.output
