@@ -25,6 +25,8 @@ def serve_cmd(
     limit_max_tokens: int = typer.Option(2048, help="the most max_tokens a request may ask for"),
     secret_file: Path = typer.Option(None, help="file with the key that signs handles (default: a random key "
                                      "per run, so handles do not outlive the server)"),
+    slo: float = typer.Option(None, help="latency target in seconds for requests to model \"auto\" that give no "
+                              "kv_slo_s: the scheduler picks the most accurate model predicted to meet it"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
@@ -39,6 +41,8 @@ def serve_cmd(
     v.engine(engine)
     if handle_ttl <= 0:
         raise v.InvalidInput(f"--handle-ttl {handle_ttl}", "a positive number of seconds")
+    if slo is not None and slo <= 0:
+        raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     if not 0 <= port <= 65535:
         raise v.InvalidInput(f"--port {port}", "a TCP port in 0..65535")
     if secret_file is not None:
@@ -54,5 +58,5 @@ def serve_cmd(
         quiet_libraries()
     config = ServeConfig(models=names, host=host, port=port, store=store, replicas=replicas,
                          handle_ttl_s=handle_ttl, max_tokens=max_tokens, limit_max_tokens=limit_max_tokens,
-                         engine=engine, threads=threads, secret_file=secret_file)
+                         engine=engine, threads=threads, secret_file=secret_file, slo_s=slo)
     Gateway(config).run(on_ready=lambda url: err_console.print(f"kvrelay serve: {url}/v1 ({', '.join(names)})"))

@@ -33,6 +33,7 @@ from kvrelay.serve.protocol import (
     parse_chat,
 )
 from kvrelay.serve.replica import Replica, Result
+from kvrelay.serve.scheduler import Decision
 
 AUTO = "auto"  # the model name that lets the scheduler choose
 
@@ -42,12 +43,12 @@ def _error(status: int, body: dict) -> JSONResponse:
 
 
 def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limit_max_tokens: int = 2048,
-               choose: Callable[[ChatRequest, list[handles.Opened]], str] | None = None) -> FastAPI:
-    """The server over ``pool``. ``choose(req, opened)`` names the model for ``model: "auto"`` (the scheduler)."""
+               decide: Callable[[ChatRequest, list[handles.Opened]], Decision] | None = None) -> FastAPI:
+    """The server over ``pool``. ``decide(req, opened)`` picks the model for ``model: "auto"``
+    (``serve.scheduler.Scheduler.decide``); without it ``auto`` is not offered."""
     metrics = Metrics(pool.depth, pool.models)
-    for rs in pool.replicas.values():
-        for r in rs:
-            r.observe = metrics.observe
+    for r in pool.all():
+        r.observers.append(metrics.observe)
     state = {"closing": False, "started": int(time.time())}
 
     def _label(body) -> str:  # a metrics label: a served model, never a client's arbitrary string
@@ -88,7 +89,7 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
 
     @app.get("/v1/models")
     async def list_models():
-        return models_body(pool.models + ([AUTO] if choose is not None and len(pool.models) > 1 else []),
+        return models_body(pool.models + ([AUTO] if decide is not None else []),
                            state["started"])
 
     @app.get("/v1/models/{model}")
@@ -110,9 +111,10 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
         try:
             req = parse_chat(body, default_max_tokens=default_max_tokens, limit_max_tokens=limit_max_tokens)
             opened = [handles.decode(h, secret, f"kv_context[{i}]") for i, h in enumerate(req.kv_context)]
-            model = req.model
-            if model == AUTO and choose is not None:
-                model = choose(req, opened)
+            model, decision = req.model, None
+            if model == AUTO and decide is not None:
+                decision = decide(req, opened)
+                model = decision.model
             if model not in pool.models:
                 raise RequestError(f"the model {model!r} does not exist; expected one of {', '.join(pool.models)}",
                                    status=404, param="model", code="model_not_found")
@@ -124,15 +126,15 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
             return _error(err.status, err.body())
         replica = pool.pick(model)
         if req.stream:
-            return await _stream(replica, req, opened, model)
+            return await _stream(replica, req, opened, model, decision)
         try:
             res: Result = await asyncio.wrap_future(replica.submit(req, opened))
         except RequestError as err:
             metrics.refused(model, err.status)
             return _error(err.status, err.body())
-        return completion_body(req, model, res.text, res.finish, res.usage, res.ext(model))
+        return completion_body(req, model, res.text, res.finish, res.usage, _ext(res, model, decision))
 
-    async def _stream(replica: Replica, req: ChatRequest, opened, model: str):
+    async def _stream(replica: Replica, req: ChatRequest, opened, model: str, decision):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -160,7 +162,7 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
                 yield _sse(error_body(str(f.exception()), "server_error"))
             else:
                 res: Result = f.result()
-                yield _sse(chunk_body(req, model, {}, res.finish, res.ext(model)))
+                yield _sse(chunk_body(req, model, {}, res.finish, _ext(res, model, decision)))
                 if req.include_usage:
                     yield _sse(chunk_body(req, model, {}, usage=res.usage, choices=False))
             yield "data: [DONE]\n\n"
@@ -169,6 +171,10 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def _ext(res: Result, model: str, decision: Decision | None) -> dict:
+    return res.ext(model) | ({"scheduler": decision.to_json()} if decision is not None else {})
 
 
 def _sse(obj: dict) -> str:

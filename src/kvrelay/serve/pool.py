@@ -31,6 +31,9 @@ class Pool:
     def pick(self, model: str) -> Replica:
         return min(self.replicas[model], key=lambda r: r.depth)
 
+    def all(self) -> list:
+        return [r for rs in self.replicas.values() for r in rs]
+
     def close(self, timeout: float | None = None) -> None:
         for rs in self.replicas.values():
             for r in rs:
@@ -38,7 +41,7 @@ class Pool:
 
 
 def in_process_pool(models: Sequence[tuple[str, object]], store, secret: bytes, *, replicas: int = 1,
-                    handle_ttl_s: float = 600.0, observe=None) -> Pool:
+                    handle_ttl_s: float = 600.0) -> Pool:
     """A pool of ``(name, LoadedModel)`` in this process; replicas of one model share its weights."""
-    return Pool({name: tuple(Replica(name, lm, store, secret, handle_ttl_s=handle_ttl_s, observe=observe)
+    return Pool({name: tuple(Replica(name, lm, store, secret, handle_ttl_s=handle_ttl_s)
                              for _ in range(replicas)) for name, lm in models})

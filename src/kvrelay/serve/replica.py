@@ -67,6 +67,7 @@ class Result:
     handle: str | None
     queue_s: float  # waiting for the replica
     ttft_s: float  # from arrival to the first token (queue + context + prefill)
+    prefill_s: float  # building the cache and prefilling (the answer's own part of ttft_s)
     decode_s: float
     total_s: float
 
@@ -111,16 +112,17 @@ class Deltas:
 class Replica:
     """One loaded model behind a FIFO queue and one worker thread."""
 
-    def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0,
-                 observe: Callable[[str, Result], None] | None = None):
+    def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0):
         self.name = name
         self.lm = lm
         self.agent = Agent(lm, name)
         self.store = store
         self.secret = secret
         self.handle_ttl_s = handle_ttl_s
-        self.observe = observe  # metrics hook, called with (model name, result)
+        self.observers: list[Callable[[str, Result], None]] = []  # metrics, scheduler: (model name, result)
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
+        self.fingerprint = lm.identity.fingerprint
+        self.params = sum(p.numel() for p in lm.model.parameters())
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._busy = 0
         self._lock = threading.Lock()
@@ -158,8 +160,8 @@ class Replica:
                 if job.future.set_running_or_notify_cancel():
                     res = self.answer(job.req, job.opened, job.on_text, arrived=job.arrived)
                     job.future.set_result(res)
-                    if self.observe is not None:
-                        self.observe(self.name, res)
+                    for observe in self.observers:
+                        observe(self.name, res)
             except BaseException as err:  # the caller sees every failure
                 if not job.future.done():
                     job.future.set_exception(err)
@@ -246,7 +248,7 @@ class Replica:
         held = cache.num_tokens if cache is not None else 0
         t1 = time.perf_counter()
         return Result(r.text, r.token_ids, finish, Usage(held + len(ids), len(r.token_ids), held), tuple(uses),
-                      handle, t0 - arrived, (first[0] if first else t1) - arrived, r.decode_s, t1 - arrived)
+                      handle, t0 - arrived, (first[0] if first else t1) - arrived, r.ttft_s, r.decode_s, t1 - arrived)
 
     def _store_turn(self, p: KVPayload, messages: list[Message]) -> str:
         """Store the turn's cache holding exactly ``messages`` as this model tokenizes them; return its handle.

@@ -38,6 +38,8 @@ class ServeConfig:
     threads: int | None = None
     secret_file: Path | None = None  # the HMAC key of handles; None: a random one per run
     graceful_s: float = 30.0
+    slo_s: float | None = None  # the scheduler's latency target for requests that give no kv_slo_s
+    quality: tuple[tuple[str, float], ...] = ()  # measured accuracy per model for the scheduler (else size)
 
     def __post_init__(self):
         if not self.models:
@@ -47,6 +49,11 @@ class ServeConfig:
         if self.replicas < 1 or self.handle_ttl_s <= 0 or self.max_tokens < 1 or self.limit_max_tokens < self.max_tokens:
             raise InvalidInput("--replicas, --handle-ttl, --max-tokens out of range",
                                "replicas >= 1, a positive TTL, 1 <= max-tokens <= its limit")
+        if self.slo_s is not None and self.slo_s <= 0:
+            raise InvalidInput(f"--slo {self.slo_s}", "a positive number of seconds")
+        unknown = sorted({m for m, _ in self.quality} - set(self.models))
+        if unknown:
+            raise InvalidInput(f"quality given for {', '.join(unknown)}, which is not served", "served models only")
         if not 0 <= self.port <= 65535:
             raise InvalidInput(f"--port {self.port}", "a TCP port in 0..65535")
 
@@ -74,10 +81,10 @@ def load_pool(config: ServeConfig, store, secret: bytes) -> Pool:
 class Gateway:
     """A configured server: ``run()`` in the foreground, or ``with Gateway(c) as url`` in a thread."""
 
-    def __init__(self, config: ServeConfig, *, pool: Pool | None = None, store=None, secret: bytes | None = None,
-                 choose=None):
+    def __init__(self, config: ServeConfig, *, pool: Pool | None = None, store=None, secret: bytes | None = None):
         self.config = config
-        self._pool, self._store, self._secret, self._choose = pool, store, secret, choose
+        self._pool, self._store, self._secret = pool, store, secret
+        self.scheduler = None
         self._stack = contextlib.ExitStack()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -97,8 +104,12 @@ class Gateway:
             url = c.store or self._stack.enter_context(RedisServer()).url
             store = open_store(url)
         pool = self._pool if self._pool is not None else load_pool(c, store, secret)
+        from kvrelay.serve.scheduler import Scheduler
+
+        self.scheduler = Scheduler(pool, slo_s=c.slo_s, quality=dict(c.quality) or None)
+        self.scheduler.calibrate()
         app = create_app(pool, secret, default_max_tokens=c.max_tokens, limit_max_tokens=c.limit_max_tokens,
-                         choose=self._choose)
+                         decide=self.scheduler.decide)
         sock = socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((c.host, c.port))
