@@ -8,8 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvrelay.agents.receive import RoundBook, adapt_if_needed, check_geometry, compatible, receive
-from kvrelay.core.errors import IncompatiblePayload, StalePayload
+from kvrelay.agents.receive import RoundBook, RoundRules, adapt_if_needed, check_geometry, compatible, receive
+from kvrelay.core.errors import (
+    ExpiredPayload,
+    IncompatiblePayload,
+    MissingRound,
+    ProducerModelChanged,
+    StalePayload,
+)
 from kvrelay.fuse.adapter import IdentityAdapter
 from kvrelay.kv.layout import FULL
 from kvrelay.kv.payload import KVPayload, PayloadMeta
@@ -107,7 +113,7 @@ def test_round_book_never_goes_backwards():
     book.check("a", 0)  # nothing held yet: anything goes
     book.record("a", 3)
     book.check("a", 3)  # the same round again is fine
-    book.check("a", 4)
+    book.check("a", 4)  # and the next one
     with pytest.raises(StalePayload) as e:
         book.check("a", 2)
     assert (e.value.payload_round, e.value.held_round, e.value.producer) == (2, 3, "a")
@@ -127,11 +133,83 @@ def test_receive_records_the_round_and_refuses_stale_without_recording():
     with pytest.raises(StalePayload):
         receive(payload(round_=1), IDENT, book)
     assert book.held == {"p": 2}
-    receive(payload(round_=5), IDENT, book)
-    assert book.held == {"p": 5}
+    receive(payload(round_=3), IDENT, book)
+    assert book.held == {"p": 3}
     with pytest.raises(IncompatiblePayload):
-        receive(payload(OTHER, round_=9), IDENT, book)
-    assert book.held == {"p": 5}  # a refused payload records nothing
+        receive(payload(OTHER, producer="r", round_=9), IDENT, book)
+    assert book.held == {"p": 3}  # a refused payload records nothing
     adapted = receive(payload(OTHER, producer="q", round_=1), IDENT, book,
                       IdentityAdapter(source=OTHER.fingerprint, target=IDENT.fingerprint))
-    assert adapted.meta.model_fingerprint == IDENT.fingerprint and book.held == {"p": 5, "q": 1}
+    assert adapted.meta.model_fingerprint == IDENT.fingerprint and book.held == {"p": 3, "q": 1}
+
+
+def test_a_skipped_round_is_a_missing_round_naming_the_producer_and_the_rounds():
+    book = RoundBook()
+    book.record("planner", 2)
+    with pytest.raises(MissingRound) as e:
+        book.check("planner", 5)
+    assert (e.value.producer, e.value.missing, e.value.held_round, e.value.payload_round) == ("planner", (3, 4), 2, 5)
+    assert "'planner'" in str(e.value) and "3, 4" in str(e.value)
+    book.check("planner", 3)  # no gap
+    book.check("other", 7)  # nothing held from that producer yet: any round opens it
+    RoundBook(RoundRules(continuity=False), held={"planner": 2}).check("planner", 5)  # gaps allowed when asked
+
+
+def test_receive_refuses_a_gap_and_records_nothing():
+    book = RoundBook()
+    receive(payload(round_=0), IDENT, book)
+    with pytest.raises(MissingRound) as e:
+        receive(payload(round_=2), IDENT, book)
+    assert e.value.missing == (1,) and book.held == {"p": 0}
+    receive(payload(round_=1), IDENT, book)
+    receive(payload(round_=2), IDENT, book)
+    assert book.held == {"p": 2}
+
+
+def test_expiry_by_rounds_counts_the_receivers_own_round():
+    book = RoundBook(RoundRules(max_rounds=2))
+    book.check("p", 3, now_round=5)  # 2 rounds behind: still fresh
+    with pytest.raises(ExpiredPayload) as e:
+        book.check("p", 2, now_round=5)
+    assert (e.value.producer, e.value.age, e.value.limit, e.value.unit) == ("p", 3, 2, "rounds")
+    book.check("p", 0)  # without the receiver's round there is nothing to count against
+    with pytest.raises(ExpiredPayload):
+        receive(payload(round_=0), IDENT, book, now_round=3)
+    assert book.held == {}
+
+
+def test_expiry_by_seconds_uses_the_payloads_creation_time():
+    book = RoundBook(RoundRules(max_age_s=10.0))
+    p = payload()
+    receive(p, IDENT, book, now_s=p.meta.created_at + 9.5)
+    with pytest.raises(ExpiredPayload) as e:
+        receive(p, IDENT, book, now_s=p.meta.created_at + 10.5)
+    assert e.value.unit == "seconds" and e.value.age == 10.5 and e.value.limit == 10.0
+    with pytest.raises(ExpiredPayload):  # the real clock: a payload made an hour ago
+        receive(p.with_meta(created_at=p.meta.created_at - 3600), IDENT, book)
+
+
+@pytest.mark.parametrize("bad", [{"max_rounds": -1}, {"max_rounds": 1.5}, {"max_rounds": True}, {"max_age_s": 0},
+                                 {"max_age_s": float("inf")}, {"max_age_s": float("nan")}, {"max_age_s": "10"}])
+def test_round_rules_refuse_nonsense_limits(bad):
+    with pytest.raises(ValueError):
+        RoundRules(**bad)
+
+
+def test_a_producer_whose_model_changed_has_every_old_payload_refused():
+    book = RoundBook()
+    receive(payload(round_=0), IDENT, book)
+    receive(payload(round_=1), IDENT, book)
+    # the producer now runs other weights: its new payload is not usable here, but the book learns of the change
+    with pytest.raises(IncompatiblePayload):
+        receive(payload(OTHER, round_=2), IDENT, book)
+    assert book.models == {"p": OTHER.fingerprint} and book.retired == {"p": {IDENT.fingerprint}}
+    for r in (1, 2, 3):  # every payload of its old weights is refused, whatever its round
+        with pytest.raises(ProducerModelChanged) as e:
+            receive(payload(round_=r), IDENT, book)
+        assert (e.value.producer, e.value.payload_fingerprint, e.value.current_fingerprint) == (
+            "p", IDENT.fingerprint, OTHER.fingerprint)
+    # through an adapter, the new model's payloads are used, their rounds counted afresh
+    adapter = IdentityAdapter(source=OTHER.fingerprint, target=IDENT.fingerprint)
+    assert receive(payload(OTHER, round_=0), IDENT, book, adapter).meta.round == 0
+    receive(payload(round_=0, producer="q"), IDENT, book)  # another producer is not affected

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.agents.agent import Agent
-from kvrelay.core.errors import IncompatiblePayload, StalePayload
+from kvrelay.agents.receive import RoundRules
+from kvrelay.core.errors import (
+    ExpiredPayload,
+    IncompatiblePayload,
+    MissingRound,
+    ProducerModelChanged,
+    StalePayload,
+)
 from kvrelay.kv.transforms import select_layers
 from kvrelay.models.tiny import tiny_lm
 from tests.conftest import random_ids
@@ -61,3 +68,31 @@ def test_stale_rounds_are_refused(llama):
         receiver.respond("what", old)
     assert (e.value.payload_round, e.value.held_round, e.value.producer) == (0, 2, "planner")
     receiver.respond("what", new)  # the same round again is fine
+
+
+def test_a_receiver_in_a_multi_round_exchange_sees_gaps_expiry_and_model_changes(llama):
+    """Rounds as an exchange produces them: the sender's round advances with each answer it writes."""
+    sender = Agent(llama, "planner", max_new_tokens=2)
+    receiver = Agent(llama, "worker", max_new_tokens=2, round_rules=RoundRules(max_rounds=1))
+    made = []
+    for i in range(4):
+        made.append(sender.prefill(random_ids(6, i)))
+        sender.respond("go on")  # its round advances
+    assert [p.meta.round for p in made] == [0, 1, 2, 3]
+    receiver.respond("what", made[0])
+    with pytest.raises(MissingRound) as e:  # round 1 was lost on the way
+        receiver.respond("what", made[2])
+    assert (e.value.producer, e.value.missing) == ("planner", (1,))
+    receiver.respond("what", made[1])
+    receiver.respond("what", made[2])
+    receiver.round = 5  # the receiver moved on: a round-3 payload trails it by 2 > max_rounds
+    with pytest.raises(ExpiredPayload, match="2 rounds old"):
+        receiver.respond("what", made[3])
+    receiver.round = 4
+    receiver.respond("what", made[3])
+    # the sender's weights change: its new payloads are another model's, and its old ones are refused now
+    changed = Agent(tiny_lm("llama", seed=1), "planner").prefill(random_ids(6, 9))
+    with pytest.raises(IncompatiblePayload):
+        receiver.respond("what", changed)
+    with pytest.raises(ProducerModelChanged):
+        receiver.respond("what", made[3])

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.agents.receive import RoundBook, receive
+from kvrelay.agents.receive import RoundBook, RoundRules, receive
 from kvrelay.fuse.adapter import Adapter
 from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
 from kvrelay.kv.cache import from_cache, to_cache, to_layered_cache
@@ -58,7 +58,8 @@ class Agent:
     """One role on one loaded model. State: a round counter and the rounds it holds per producer."""
 
     def __init__(self, lm, name: str = "agent", role: str = "", *, max_new_tokens: int = 64,
-                 fmt: PromptFormat | None = None, adapter: Adapter | None = None):
+                 fmt: PromptFormat | None = None, adapter: Adapter | None = None,
+                 round_rules: RoundRules | None = None):
         self.lm = lm
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -69,7 +70,7 @@ class Agent:
         self.fmt = fmt or format_for(self.tokenizer)
         self.round = 0
         self.adapter = adapter  # maps payloads of other models (kvrelay.fuse); None: same model only
-        self._rounds = RoundBook()
+        self._rounds = RoundBook(round_rules or RoundRules())  # what it accepts of each producer's rounds
         self.stop_ids = self._stop_ids()
 
     # -- tokens ------------------------------------------------------------------------------
@@ -137,9 +138,11 @@ class Agent:
     # -- receiving ---------------------------------------------------------------------------
     def check(self, p: KVPayload, rounds: RoundBook | None = None) -> KVPayload:
         """The payload this agent may attend to — ``p``, or ``p`` through its adapter — or a typed error
-        (``IncompatiblePayload``, ``StalePayload``); records its round in ``rounds`` (default: the agent's
-        own book; see ``agents.receive``)."""
-        return receive(p, self.identity, self._rounds if rounds is None else rounds, self.adapter)
+        (``IncompatiblePayload``, ``StalePayload``, ``MissingRound``, ``ExpiredPayload``,
+        ``ProducerModelChanged``); records its round in ``rounds`` (default: the agent's own book; see
+        ``agents.receive``)."""
+        return receive(p, self.identity, self._rounds if rounds is None else rounds, self.adapter,
+                       now_round=self.round)
 
     def _prefix_payload(self) -> KVPayload | None:
         ids = self.encode(self.fmt.system(self.role))

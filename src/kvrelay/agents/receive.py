@@ -9,15 +9,25 @@
 3. Otherwise it is refused with ``IncompatiblePayload`` naming the field that differs.
 
 Then the checks that do not depend on the model: the codec is ``raw`` (decode compressed payloads
-first), the K/V geometry matches, and the round is not older than one already held from that
-producer (``StalePayload``). Nothing is used silently.
+first), the K/V geometry matches, and the round book (``RoundBook`` under ``RoundRules``) accepts
+the round: not older than one already held from that producer (``StalePayload``), not skipping
+rounds (``MissingRound``), not expired by rounds or seconds (``ExpiredPayload``), and not made by a
+model the producer has since replaced (``ProducerModelChanged``). Nothing is used silently.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
-from kvrelay.core.errors import IncompatiblePayload, StalePayload
+from kvrelay.core.errors import (
+    ExpiredPayload,
+    IncompatiblePayload,
+    MissingRound,
+    ProducerModelChanged,
+    StalePayload,
+)
 from kvrelay.fuse.adapter import Adapter
 from kvrelay.kv.compat import check_meta
 from kvrelay.kv.payload import KVPayload
@@ -55,25 +65,86 @@ def check_geometry(p: KVPayload, ident: ModelIdentity) -> None:
             raise IncompatiblePayload("kv_shape", want, got)
 
 
+@dataclass(frozen=True, slots=True)
+class RoundRules:
+    """What a receiver accepts of each producer's rounds (mechanism in ``RoundBook``, policy here).
+
+    ``continuity``: a round more than one past the newest held is a gap (``MissingRound``): the caches
+    in between were lost. ``max_rounds``: a payload whose round trails the receiver's own round by more
+    than this has expired; ``max_age_s``: one made (``PayloadMeta.created_at``, the producer's clock)
+    more than this many seconds ago has expired (``ExpiredPayload``). None: no limit.
+    """
+
+    continuity: bool = True
+    max_rounds: int | None = None
+    max_age_s: float | None = None
+
+    def __post_init__(self):
+        if self.max_rounds is not None and (type(self.max_rounds) is not int or self.max_rounds < 0):
+            raise ValueError(f"max_rounds must be None or an int >= 0, got {self.max_rounds!r}")
+        if self.max_age_s is not None and (isinstance(self.max_age_s, bool) or not isinstance(self.max_age_s, (int, float))
+                                           or not math.isfinite(self.max_age_s) or self.max_age_s <= 0):
+            raise ValueError(f"max_age_s must be None or a finite number of seconds > 0, got {self.max_age_s!r}")
+
+
 @dataclass
 class RoundBook:
-    """The newest round received from each producer: a payload older than that is stale."""
+    """Per producer: the newest round received and the model it was made by.
 
+    A payload older than the newest round held is stale (``StalePayload``); one more than a round
+    ahead is a gap (``MissingRound``, when ``rules.continuity``); one past ``rules``' age limits has
+    expired (``ExpiredPayload``). When a producer's payloads arrive with another model fingerprint,
+    its old fingerprint is retired: every payload still carrying it is refused
+    (``ProducerModelChanged``) and its rounds count afresh under the new model.
+    """
+
+    rules: RoundRules = field(default_factory=RoundRules)
     held: dict[str, int] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)  # producer -> its current model fingerprint
+    retired: dict[str, set[str]] = field(default_factory=dict)  # producer -> fingerprints it no longer has
 
-    def check(self, producer: str, round_: int) -> None:
+    def observe_model(self, producer: str, fingerprint: str) -> None:
+        """Learn the model ``producer`` made a payload with; refuses a retired one."""
+        current = self.models.get(producer)
+        if fingerprint in self.retired.get(producer, ()):
+            raise ProducerModelChanged(producer, fingerprint, current or "")
+        if current is not None and current != fingerprint:
+            self.retired.setdefault(producer, set()).add(current)
+            self.held.pop(producer, None)  # another model: its rounds start over
+        self.models[producer] = fingerprint
+
+    def check(self, producer: str, round_: int, *, created_at: float | None = None, now_round: int | None = None,
+              now_s: float | None = None) -> None:
+        """Raise if a payload of ``producer``'s round ``round_`` is stale, skips rounds, or has expired.
+
+        ``now_round``: the receiver's own round (for ``max_rounds``); ``now_s``: its clock (default
+        ``time.time()``, for ``max_age_s`` against ``created_at``)."""
         have = self.held.get(producer)
         if have is not None and round_ < have:
             raise StalePayload(round_, have, producer)
+        if self.rules.continuity and have is not None and round_ > have + 1:
+            raise MissingRound(producer, tuple(range(have + 1, round_)), have, round_)
+        r = self.rules
+        if r.max_rounds is not None and now_round is not None and now_round - round_ > r.max_rounds:
+            raise ExpiredPayload(producer, now_round - round_, r.max_rounds, "rounds")
+        if r.max_age_s is not None and created_at is not None:
+            age = (time.time() if now_s is None else now_s) - created_at
+            if age > r.max_age_s:
+                raise ExpiredPayload(producer, round(age, 3), r.max_age_s, "seconds")
 
     def record(self, producer: str, round_: int) -> None:
         self.held[producer] = max(self.held.get(producer, round_), round_)
 
 
-def receive(p: KVPayload, ident: ModelIdentity, book: RoundBook, adapter: Adapter | None = None) -> KVPayload:
-    """The payload a receiver may attend to (``p`` itself or its adapted form); records its round."""
+def receive(p: KVPayload, ident: ModelIdentity, book: RoundBook, adapter: Adapter | None = None, *,
+            now_round: int | None = None, now_s: float | None = None) -> KVPayload:
+    """The payload a receiver may attend to (``p`` itself or its adapted form); records its round.
+
+    ``now_round`` / ``now_s``: the receiver's round and clock, for the book's expiry rules."""
+    book.observe_model(p.meta.producer, p.meta.model_fingerprint)
     usable = adapt_if_needed(p, ident, adapter)
     check_geometry(usable, ident)
-    book.check(usable.meta.producer, usable.meta.round)
-    book.record(usable.meta.producer, usable.meta.round)
+    m = usable.meta
+    book.check(m.producer, m.round, created_at=m.created_at, now_round=now_round, now_s=now_s)
+    book.record(m.producer, m.round)
     return usable

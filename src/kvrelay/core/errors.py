@@ -81,6 +81,49 @@ class StalePayload(PayloadError):
         )
 
 
+class MissingRound(PayloadError):
+    """Rounds of a producer were skipped: the caches of the rounds in between were lost on the way."""
+
+    def __init__(self, producer: str, missing: tuple[int, ...], held_round: int, payload_round: int):
+        self.producer, self.missing = producer, tuple(missing)
+        self.held_round, self.payload_round = held_round, payload_round
+        shown = f"{missing[0]}..{missing[-1]}" if len(missing) > 3 else ", ".join(map(str, missing))
+        super().__init__(
+            f"missing rounds from {producer!r}: held round {held_round}, got round {payload_round}, "
+            f"so round(s) {shown} never arrived; expected round {held_round} or the one after it "
+            "(rebuild this edge from text)"
+        )
+
+
+class ExpiredPayload(PayloadError):
+    """The payload is older than the receiver accepts, counted in rounds or in seconds."""
+
+    def __init__(self, producer: str, age: float, limit: float, unit: str):
+        self.producer, self.age, self.limit, self.unit = producer, age, limit, unit
+        super().__init__(f"expired payload from {producer!r}: {age} {unit} old, the receiver accepts at most "
+                         f"{limit} {unit}")
+
+
+class ProducerModelChanged(PayloadError):
+    """The producer's model changed since this payload was made: every payload of its old weights is refused."""
+
+    def __init__(self, producer: str, payload_fingerprint: str, current_fingerprint: str):
+        self.producer = producer
+        self.payload_fingerprint, self.current_fingerprint = payload_fingerprint, current_fingerprint
+        super().__init__(f"payload from {producer!r} was made by model {payload_fingerprint[:16]}, but that producer "
+                         f"has since sent payloads of model {current_fingerprint[:16]}; expected a payload of its "
+                         "current model (its old caches are invalid)")
+
+
+class EdgeRefused(KVRelayError):
+    """A workflow edge's relayed payload was refused by its receiver and the edge does not fall back to text."""
+
+    def __init__(self, src: str, dst: str, reason: str, kind: str = ""):
+        self.src, self.dst, self.reason, self.kind = src, dst, reason, kind
+        super().__init__(f"edge {src}->{dst}: the relayed payload was refused ({kind + ': ' if kind else ''}{reason}); "
+                         "set on_refused = \"text\" on the edge to rebuild it from text instead")
+
+
 class AdapterMismatch(IncompatiblePayload):
     """A fitted adapter was asked to map between models other than the ones its artefact records."""
 

@@ -56,7 +56,9 @@ class _Worker:
         self.proc.stdin.flush()
         resp = self.read()
         if "error" in resp:
-            raise WorkerError(f"{resp['error']}: {resp['message']}")
+            err = WorkerError(f"{resp['error']}: {resp['message']}")
+            err.kind, err.refused = resp["error"], bool(resp.get("refused"))
+            raise err
         return resp
 
     def close(self, timeout: float = 30.0) -> None:

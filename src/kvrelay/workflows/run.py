@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvrelay.core.errors import EdgeRefused, PayloadError, PayloadNotFound, WorkerError
 from kvrelay.workflows.executors import Executor, InProcessExecutor
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut, take_turn, turn_ids  # noqa: F401 - turn_ids/take_turn: public here too
@@ -34,7 +35,7 @@ MODES = ("text", "kv")
 @dataclass(frozen=True, slots=True)
 class AgentRecord:
     name: str
-    channel: str  # how its input arrived: root | text | kv | kv+text (| kv+text:no-cache)
+    channel: str  # how its input arrived: root | text | kv | kv+text (| kv+text:no-cache | kv->text | kv+text->text)
     input_tokens: int  # its whole input sequence (context + its own turn)
     prefill_tokens: int  # tokens it pushed through the model before the first answer token
     relayed_tokens: int  # tokens that arrived as a cache
@@ -48,6 +49,7 @@ class AgentRecord:
     wall_s: float  # the whole step, measured around it
     text: str
     token_ids: tuple[int, ...]
+    fallback: str = ""  # why its relayed payload was refused and the edge rebuilt from text ("" = it was not)
 
     @property
     def relay_s(self) -> float:
@@ -170,24 +172,53 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
         t0 = time.perf_counter()
         channel, base, prompt, src = resolve_inputs(plan, spec, done, context_ids)
         cache = done[src].payload if src is not None else None
-        out = ex.turn(spec.name, prompt, list(base), cache, layout=plan.layout, max_new_tokens=spec.max_new_tokens,
-                      min_new_tokens=spec.min_new_tokens, want_payload=needs_payload(plan, spec.name))
+        kw = {"layout": plan.layout, "max_new_tokens": spec.max_new_tokens, "min_new_tokens": spec.min_new_tokens,
+              "want_payload": needs_payload(plan, spec.name)}
+        fallback = ""
+        try:
+            out = ex.turn(spec.name, prompt, list(base), cache, **kw)
+        except Exception as e:
+            kind = refusal(e)
+            if cache is None or kind is None:
+                raise
+            edges = plan.incoming(spec.name)
+            if not all(edge.on_refused == "text" for edge in edges):
+                raise EdgeRefused(src, spec.name, refusal_message(e), kind) from e
+            fallback = f"{kind}: {refusal_message(e)}"
+            channel, cache = f"{channel}->text", None
+            out = ex.turn(spec.name, prompt, list(base), None, **kw)  # the same tokens, re-encoded
         wall = time.perf_counter() - t0
         put_s[spec.name] = out.put_s
         done[spec.name] = Finished(out.text, list(out.ids), list(base), out.payload)
         transfer = put_s.get(src, 0.0) + out.get_s if cache is not None else 0.0
-        records.append(record(spec.name, channel, out, transfer, wall))
+        records.append(record(spec.name, channel, out, transfer, wall, fallback))
         release_unused(plan, done, spec.name, ex.release)
     return RunTrace(wf.name, mode, plan.layout, len(context_ids), tuple(records), time.perf_counter() - t_run)
 
 
-def record(name: str, channel: str, out: TurnOut, transfer_s: float, wall_s: float) -> AgentRecord:
+def refusal(e: BaseException) -> str | None:
+    """The error type's name when ``e`` is a receiver refusing a relayed payload (or its store losing it),
+    in this process or reported by a worker (``WorkerError.refused``); None for any other failure."""
+    if isinstance(e, (PayloadError, PayloadNotFound)):
+        return type(e).__name__
+    if isinstance(e, WorkerError) and getattr(e, "refused", False):
+        return getattr(e, "kind", "") or type(e).__name__
+    return None
+
+
+def refusal_message(e: BaseException) -> str:
+    msg = str(e)
+    kind = getattr(e, "kind", "")
+    return msg.removeprefix(f"{kind}: ") if isinstance(e, WorkerError) and kind else msg
+
+
+def record(name: str, channel: str, out: TurnOut, transfer_s: float, wall_s: float, fallback: str = "") -> AgentRecord:
     return AgentRecord(
         name=name, channel=channel, input_tokens=out.input_tokens, prefill_tokens=out.prefill_tokens,
         relayed_tokens=out.relayed_tokens, prefill_s=out.prefill_s, decode_tokens=len(out.token_ids),
         decode_s=out.decode_s, relay_bytes=out.relay_bytes, relay_encode_s=out.relay_encode_s,
         relay_transfer_s=transfer_s, relay_decode_s=out.relay_decode_s, wall_s=wall_s, text=out.text,
-        token_ids=out.token_ids)
+        token_ids=out.token_ids, fallback=fallback)
 
 
 def release_unused(wf: Workflow, done: dict[str, Finished], just_ran: str, release=None) -> None:

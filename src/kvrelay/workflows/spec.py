@@ -16,6 +16,11 @@ The *channel* of an edge says only how those tokens arrive:
   turn. Single-predecessor edges only: several whole-turn caches cannot be one prefix.
 * ``kv+text`` — fan-in edges: the cache the senders started from (their shared context) is
   relayed, and the senders' answers arrive as text inside the receiver's turn.
+
+``on_refused`` says what happens when the receiver refuses the relayed payload (a typed
+``PayloadError``: corrupt, incompatible, stale, a missing round, expired, unsigned...) or the store
+lost it: ``stop`` (default) raises ``EdgeRefused`` naming the edge; ``text`` rebuilds the edge from
+text (the receiver re-encodes the same tokens) and the trace says so (``AgentRecord.fallback``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 CHANNELS = ("text", "kv", "kv+text")
 LAYOUTS = ("continue", "replace")
+ON_REFUSED = ("stop", "text")  # what a receiver does when it refuses an edge's relayed payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +57,14 @@ class Edge:
     src: str
     dst: str
     channel: str = "kv"
+    on_refused: str = "stop"  # stop: EdgeRefused naming the edge; text: rebuild it from text (said in the trace)
 
     def __post_init__(self):
         if self.channel not in CHANNELS:
             raise ValueError(f"edge {self.src}->{self.dst}: channel must be one of {CHANNELS}, got {self.channel!r}")
+        if self.on_refused not in ON_REFUSED:
+            raise ValueError(f"edge {self.src}->{self.dst}: on_refused must be one of {ON_REFUSED}, "
+                             f"got {self.on_refused!r}")
         if self.src == self.dst:
             raise ValueError(f"edge {self.src}->{self.dst} is a self-loop")
 
@@ -141,6 +151,8 @@ class Workflow:
                       f"max_new_tokens = {a.max_new_tokens}", f"min_new_tokens = {a.min_new_tokens}"]
         for e in self.edges:
             lines += ["", "[[edges]]", f"src = {_q(e.src)}", f"dst = {_q(e.dst)}", f"channel = {_q(e.channel)}"]
+            if e.on_refused != "stop":
+                lines.append(f"on_refused = {_q(e.on_refused)}")
         return "\n".join(lines) + "\n"
 
     @classmethod

@@ -13,7 +13,8 @@ their keys. Requests and replies::
     {"op": "quit"}                                    -> (exits)
 
 The first line it writes is ``{"ready": true, "fingerprint": ...}``; a failed request answers
-``{"error": TYPE, "message": STR}`` and the worker keeps serving. Anything else the libraries
+``{"error": TYPE, "message": STR, "refused": BOOL}`` (``refused``: the receiver refused the relayed
+payload, or the store lost it) and the worker keeps serving. Anything else the libraries
 print goes to stderr, so stdout carries the protocol only.
 """
 
@@ -24,6 +25,10 @@ import json
 import os
 import sys
 import time
+
+from kvrelay.core.errors import PayloadError, PayloadNotFound
+
+REFUSALS = (PayloadError, PayloadNotFound)  # the receiver refused a relayed payload, or the store lost it
 
 
 def _serve(args, send) -> None:
@@ -59,7 +64,7 @@ def _serve(args, send) -> None:
             else:
                 raise ValueError(f"unknown op {req['op']!r}; expected reset, context_ids, turn or quit")
         except Exception as e:  # reported to the driver, which raises WorkerError
-            send({"error": type(e).__name__, "message": str(e)})
+            send({"error": type(e).__name__, "message": str(e), "refused": isinstance(e, REFUSALS)})
 
 
 TURN_FIELDS = ("prompt", "base", "cache", "layout", "max_new_tokens", "min_new_tokens", "want_payload", "out_key",
