@@ -115,6 +115,25 @@ class ProducerModelChanged(PayloadError):
                          "current model (its old caches are invalid)")
 
 
+class UnsignedPayload(PayloadError):
+    """The receiver requires signed payloads (it holds keys) and this one carries no signature."""
+
+    def __init__(self, producer: str):
+        self.producer = producer
+        super().__init__(f"unsigned payload from {producer!r}: the receiver accepts only payloads signed with one of "
+                         "its keys (kvrelay.kv.sign)")
+
+
+class BadSignature(PayloadError):
+    """The payload's signature is malformed, made with a key the receiver does not trust, or does not match."""
+
+    def __init__(self, producer: str, key_id: str, reason: str):
+        self.producer, self.key_id, self.reason = producer, key_id, reason
+        key = f" with key {key_id!r}" if key_id else ""
+        super().__init__(f"bad signature on the payload from {producer!r}{key}: {reason}; expected a signature by "
+                         "one of the receiver's keys over the payload as it was written")
+
+
 class EdgeRefused(KVRelayError):
     """A workflow edge's relayed payload was refused by its receiver and the edge does not fall back to text."""
 

@@ -11,6 +11,7 @@ What a store holds is one kvrelay/1 file (``kv.wire``):
 ``get_payload`` reads either back as a float ``KVPayload`` with codec ``raw`` (a compressed one is
 decompressed to the producer's dtype; lossy stages are not undone), checked against ``expect``
 (a receiver's ``ModelIdentity``) when given. A missing or expired key is ``PayloadNotFound``.
+Either side may sign (``signer=``) or require a signature (``keys=``): ``kv.sign``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.compat import check_meta
 from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.sign import Key, Keyring, check_signature, sign_parts
 from kvrelay.models.identity import ModelIdentity
 from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.keys import key_for, payload_key, prefix_entries, sequence_hash, single_sequence
@@ -36,28 +38,51 @@ def compressed_key(c: codecs.Compressed) -> str:
     return f"{key_for(c.meta.model_fingerprint, ids[0])}+{c.name}"
 
 
+def _compressed(payload: KVPayload | codecs.Compressed, codec: str, codec_ctx) -> codecs.Compressed | None:
+    if isinstance(payload, codecs.Compressed):
+        return payload
+    return None if codecs.parse(codec).lossless else codecs.compress(payload, codec, **codec_ctx)
+
+
+def _signed(parts: list, signer: Key | None) -> list:
+    return parts if signer is None else sign_parts(parts, signer)
+
+
 def put_payload(store: ByteStore, payload: KVPayload | codecs.Compressed, codec: str = "raw",
-                ttl_s: float | None = None, *, key: str | None = None, **codec_ctx) -> str:
+                ttl_s: float | None = None, *, key: str | None = None, signer: Key | None = None,
+                **codec_ctx) -> str:
     """Store ``payload`` encoded with ``codec`` and return its key (default: its content key, with
     ``+CODEC`` appended for a codec other than raw). A ``Compressed`` is stored as it is (``codec`` is
-    then its own). ``codec_ctx`` goes to ``codecs.compress`` (``model=``, ``probe_ids=``, ... for eviction)."""
-    if isinstance(payload, codecs.Compressed):
-        c = payload
-    else:
-        c = None if codecs.parse(codec).lossless else codecs.compress(payload, codec, **codec_ctx)
+    then its own). ``signer``: sign it (``kv.sign``). ``codec_ctx`` goes to ``codecs.compress``
+    (``model=``, ``probe_ids=``, ... for eviction)."""
+    c = _compressed(payload, codec, codec_ctx)
     if c is None:
         key = payload_key(payload) if key is None else key
-        store.put_bytes(key, wire.encode_parts(payload), ttl_s, index=prefix_entries(key, payload),
+        store.put_bytes(key, _signed(wire.encode_parts(payload), signer), ttl_s, index=prefix_entries(key, payload),
                         full_hash=_full_hash(payload))
         return key
     if key is None:
         key = payload_key(payload) + f"+{c.name}" if isinstance(payload, KVPayload) else compressed_key(c)
-    store.put_bytes(key, wire.pack_parts(*c.to_wire()), ttl_s)
+    store.put_bytes(key, _signed(wire.pack_parts(*c.to_wire()), signer), ttl_s)
     return key
 
 
-def decode_bytes(data, *, expect: ModelIdentity | None = None) -> KVPayload:
-    """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload``."""
+def save_payload(path, payload: KVPayload | codecs.Compressed, codec: str = "raw", *, signer: Key | None = None,
+                 **codec_ctx) -> None:
+    """Write ``payload`` encoded with ``codec`` (and signed by ``signer``) to a kvrelay/1 file, atomically."""
+    c = _compressed(payload, codec, codec_ctx)
+    parts = wire.encode_parts(payload) if c is None else wire.pack_parts(*c.to_wire())
+    wire.atomic_write(path, _signed(parts, signer))
+
+
+def decode_bytes(data, *, expect: ModelIdentity | None = None, keys: Keyring | None = None) -> KVPayload:
+    """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload``.
+
+    ``keys``: a non-empty keyring requires a signature by one of its keys (``kv.sign.check_signature``:
+    ``UnsignedPayload`` / ``BadSignature`` naming the producer), checked from the header before any
+    tensor is read."""
+    if keys:
+        check_signature(data, keys)
     meta = wire.read_meta(data)
     if meta.get("codec", "raw") == "raw":
         return wire.decode(data, expect=expect)
@@ -72,9 +97,11 @@ def compressed_from_bytes(data) -> codecs.Compressed:
     return codecs.Compressed.from_wire(*wire.unpack(data))
 
 
-def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = None) -> KVPayload:
-    """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it)."""
-    return decode_bytes(store.get_bytes(key), expect=expect)
+def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = None,
+                keys: Keyring | None = None) -> KVPayload:
+    """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it);
+    ``keys`` as in ``decode_bytes``."""
+    return decode_bytes(store.get_bytes(key), expect=expect, keys=keys)
 
 
 def get_compressed(store: ByteStore, key: str) -> codecs.Compressed:

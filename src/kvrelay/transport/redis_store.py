@@ -29,6 +29,11 @@ return 1
 class RedisStore(PayloadMethods):
     """Bytes in Redis cut into ``chunk_bytes`` pieces behind a manifest.
 
+    The URL may carry credentials and TLS as redis-py reads them: ``redis://USER:PASSWORD@HOST:PORT/DB``
+    (an ACL user; ``redis://:PASSWORD@...`` for the default user), ``rediss://...`` for TLS
+    (``?ssl_cert_reqs=none``, ``ssl_ca_certs=PATH`` as redis-py takes them). ``url`` shows the
+    password as ``***``.
+
     Keys (``ns`` = namespace)::
 
         ns:m:<key>               manifest JSON {version, chunks, size, full}
@@ -51,7 +56,8 @@ class RedisStore(PayloadMethods):
             raise ValueError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
         server, ns = _split_namespace(url)
         self.namespace = namespace or ns or "kvrelay"
-        self.url = server if self.namespace == "kvrelay" else f"{server}?namespace={self.namespace}"
+        shown = _redacted(server)  # what messages and traces name: never the password
+        self.url = shown if self.namespace == "kvrelay" else f"{shown}?namespace={self.namespace}"
         self.chunk_bytes = chunk_bytes
         self.max_retries = max_retries
         self.client = redis.Redis.from_url(server, socket_read_size=1 << 20)  # big replies: fewer recv calls
@@ -172,6 +178,16 @@ class RedisStore(PayloadMethods):
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+def _redacted(url: str) -> str:
+    """``redis://user:secret@host/0`` -> ``redis://user:***@host/0`` (unchanged without a password)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return urlunsplit((parts.scheme, f"{name}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
 def _split_namespace(url: str) -> tuple[str, str | None]:

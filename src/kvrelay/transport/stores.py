@@ -12,7 +12,8 @@ A store is named by a URL, so another process (or machine) can open the same one
 
     memory://[NAME]          this process only (one store per NAME)
     file:///ABS/DIR          a folder (a plain directory path works too); shared by processes on a machine
-    redis://HOST:PORT/DB     a Redis server (``?namespace=NS`` keeps several stores apart on one server)
+    redis://HOST:PORT/DB     a Redis server (``?namespace=NS`` keeps several stores apart on one server);
+                             redis://USER:PASSWORD@HOST:PORT/DB for an ACL user, rediss://... for TLS
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvrelay.transport.payloads import get_compressed, get_payload, put_payload
 from kvrelay.transport.redis_store import RedisStore
 
 PayloadStore = ByteStore  # every store takes payloads too, through put_payload / get_payload
-STORE_URLS = ("memory://[NAME]", "file:///ABS/DIR", "DIR", "redis://HOST:PORT/DB[?namespace=NS]")
+STORE_URLS = ("memory://[NAME]", "file:///ABS/DIR", "DIR", "redis[s]://[USER:PASSWORD@]HOST:PORT/DB[?namespace=NS]")
 
 _memory: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvrelay.agents.agent import Agent
 from kvrelay.kv import codecs
+from kvrelay.kv.sign import Keyring
 from kvrelay.transport.stores import get_payload, open_store, put_payload
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut, take_turn
@@ -52,15 +53,18 @@ class InProcessExecutor:
     ``relay_transfer_s`` = 0). With a ``store`` URL, or any other ``codec`` (then a private
     ``memory://`` store), every relayed payload is put there encoded with ``codec`` and the receiver
     gets it back by key (``transport.stores.put_payload`` / ``get_payload``), timed as the transfer.
-    ``codec`` None: ``kv.codecs.WIRE_CODEC`` through a store, ``raw`` without one.
+    ``codec`` None: ``kv.codecs.WIRE_CODEC`` through a store, ``raw`` without one. ``keys`` (a
+    ``kv.sign.Keyring``, then a private ``memory://`` store when none is named): each agent signs
+    what it puts with its key and refuses what is not signed by one of them.
     """
 
-    def __init__(self, lm, *, store: str | None = None, codec: str | None = None):
+    def __init__(self, lm, *, store: str | None = None, codec: str | None = None, keys: Keyring | None = None):
         self.lm = lm
         if codec is None:
             codec = codecs.WIRE_CODEC if store is not None else "raw"
         self.codec = codecs.parse(codec).name
-        if store is None and self.codec != "raw":
+        self.keys = keys or Keyring()
+        if store is None and (self.codec != "raw" or self.keys):
             store = f"memory://kvrelay-inprocess-{secrets.token_hex(4)}"
         self.store = open_store(store) if store is not None else None
         self.agents: dict[str, Agent] = {}
@@ -81,14 +85,15 @@ class InProcessExecutor:
         get_s = 0.0
         if cache is not None and self.store is not None:
             t0 = time.perf_counter()
-            cache = get_payload(self.store, cache, expect=a.identity)
+            cache = get_payload(self.store, cache, expect=a.identity, keys=self.keys)
             get_s = time.perf_counter() - t0
         out = take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
                         min_new_tokens=min_new_tokens, want_payload=want_payload, get_s=get_s)
         if out.payload is None or self.store is None:
             return out
         t0 = time.perf_counter()
-        key = put_payload(self.store, out.payload, self.codec, key=run_key(self.run_id, agent), model=a.model)
+        key = put_payload(self.store, out.payload, self.codec, key=run_key(self.run_id, agent), model=a.model,
+                          signer=self.keys.signer(agent))
         return out.with_handle(key, put_s=time.perf_counter() - t0)
 
     def release(self, handle: Any) -> None:

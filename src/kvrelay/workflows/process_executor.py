@@ -17,6 +17,7 @@ inside its own process (so they include the codec and the kvrelay/1 checksums).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -32,16 +33,17 @@ from kvrelay.workflows.executors import run_key
 from kvrelay.workflows.run import RunTrace, run_workflow
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut
+from kvrelay.workflows.worker import STORE_ENV
 
 
 class _Worker:
     """One worker process and its pipes; ``call`` sends a request and waits for the reply line."""
 
-    def __init__(self, cmd: list[str], log: Path):
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None):
         self.log = log
         self._err = open(log, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, env=env)
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -77,13 +79,16 @@ class ProcessExecutor:
     """One worker process per agent of ``wf``, started once (``start`` resets their agents per run).
 
     ``model``: any ``load_model`` name (every worker loads it itself). ``store``: a URL every worker
-    can open (not ``memory://``). ``codec``: what senders encode payloads with (``kv.codecs``; default
+    can open (not ``memory://``; it reaches the workers through their environment, so a Redis password
+never shows in a process list). ``keys_file``: signing keys for every worker (``kv.sign``; without
+it the workers read ``$KVRELAY_KEYS``): each signs what it writes and refuses unsigned or wrongly
+signed payloads. ``codec``: what senders encode payloads with (``kv.codecs``; default
     the wire default ``WIRE_CODEC``, fp16); it
     travels with each turn request, so ``set_codec`` changes it between runs.
     """
 
     def __init__(self, model: str, wf: Workflow, *, store: str, codec: str = codecs.WIRE_CODEC, threads: int = 1,
-                 engine: str = "fp32", python: str = sys.executable):
+                 engine: str = "fp32", python: str = sys.executable, keys_file: str | os.PathLike | None = None):
         if str(store).startswith("memory://"):
             raise ValueError(f"store {store!r} lives in one process; worker processes need file:///DIR or "
                              "redis://HOST:PORT/DB")
@@ -94,8 +99,10 @@ class ProcessExecutor:
         try:
             for a in wf.agents:
                 cmd = [python, "-m", "kvrelay.workflows.worker", "--model", model, "--name", a.name, "--role", a.role,
-                       "--max-new-tokens", str(a.max_new_tokens), "--store", self.store_url, "--threads", str(threads), "--engine", engine]
-                self.workers[a.name] = _Worker(cmd, Path(self._logs.name) / f"{a.name}.log")
+                       "--max-new-tokens", str(a.max_new_tokens), "--threads", str(threads), "--engine", engine]
+                cmd += ["--keys-file", str(keys_file)] if keys_file is not None else []
+                env = {**os.environ, STORE_ENV: self.store_url}  # the URL may hold a password: not in argv
+                self.workers[a.name] = _Worker(cmd, Path(self._logs.name) / f"{a.name}.log", env)
             ready = {name: w.read() for name, w in self.workers.items()}  # they load their models in parallel
         except BaseException:
             self.close()

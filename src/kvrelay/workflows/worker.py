@@ -1,9 +1,10 @@
-"""One agent in its own OS process: ``python -m kvrelay.workflows.worker --model M --name A --store URL``.
+"""One agent in its own OS process: ``python -m kvrelay.workflows.worker --model M --name A [--store URL]``.
 
 Driven over stdin/stdout, one JSON object per line (``workflows.process_executor`` is the driver).
 The worker loads its model itself (any ``load_model`` name; ``tiny:ARCH:SEED`` rebuilds the same
 random model in every process) and opens the store itself: payloads never cross the pipe, only
-their keys. Requests and replies::
+their keys. With signing keys (``--keys-file``, else ``$KVRELAY_KEYS``; ``kv.sign``) it signs every
+payload it writes with its key for its own name and refuses any payload not signed by one of them. Requests and replies::
 
     {"op": "reset"}                                   -> {"ok": true}          a fresh Agent (round 0)
     {"op": "context_ids", "context": STR}             -> {"ids": [int]}
@@ -28,6 +29,7 @@ import time
 
 from kvrelay.core.errors import PayloadError, PayloadNotFound
 
+STORE_ENV = "KVRELAY_STORE_URL"
 REFUSALS = (PayloadError, PayloadNotFound)  # the receiver refused a relayed payload, or the store lost it
 
 
@@ -35,6 +37,7 @@ def _serve(args, send) -> None:
     import torch
 
     from kvrelay.agents.agent import Agent
+    from kvrelay.kv.sign import keyring_from
     from kvrelay.models.loader import load_model
     from kvrelay.transport.stores import get_payload, open_store, put_payload
     from kvrelay.workflows.turn import take_turn
@@ -42,7 +45,9 @@ def _serve(args, send) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, engine=args.engine)
-    store = open_store(args.store)
+    store = open_store(args.store or os.environ.get(STORE_ENV, ""))
+    keyring = keyring_from(args.keys_file)  # else $KVRELAY_KEYS; empty: nothing signed or asked for
+    signer = keyring.signer(args.name)
 
     def fresh() -> Agent:
         return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens)
@@ -60,7 +65,7 @@ def _serve(args, send) -> None:
             elif req["op"] == "context_ids":
                 send({"ids": agent.encode(agent.fmt.user(req["context"]))})
             elif req["op"] == "turn":
-                send(_turn(req, agent, store, get_payload, put_payload, take_turn))
+                send(_turn(req, agent, store, get_payload, put_payload, take_turn, keyring, signer))
             else:
                 raise ValueError(f"unknown op {req['op']!r}; expected reset, context_ids, turn or quit")
         except Exception as e:  # reported to the driver, which raises WorkerError
@@ -71,21 +76,21 @@ TURN_FIELDS = ("prompt", "base", "cache", "layout", "max_new_tokens", "min_new_t
                "codec")
 
 
-def _turn(req: dict, agent, store, get_payload, put_payload, take_turn) -> dict:
+def _turn(req: dict, agent, store, get_payload, put_payload, take_turn, keyring=None, signer=None) -> dict:
     missing = [f for f in TURN_FIELDS if f not in req]
     if missing:  # every field is required: a payload is never written with a codec the driver did not choose
         raise ValueError(f"turn request lacks {', '.join(missing)}; expected every one of {', '.join(TURN_FIELDS)}")
     cache, get_s = None, 0.0
     if req["cache"] is not None:
         t0 = time.perf_counter()
-        cache = get_payload(store, req["cache"], expect=agent.identity)
+        cache = get_payload(store, req["cache"], expect=agent.identity, keys=keyring)
         get_s = time.perf_counter() - t0
     out = take_turn(agent, req["prompt"], req["base"], cache, req["layout"], max_new_tokens=req["max_new_tokens"],
                     min_new_tokens=req["min_new_tokens"], want_payload=req["want_payload"], get_s=get_s)
     key, put_s = None, 0.0
     if out.payload is not None:
         t0 = time.perf_counter()
-        key = put_payload(store, out.payload, req["codec"], key=req["out_key"], model=agent.model)
+        key = put_payload(store, out.payload, req["codec"], key=req["out_key"], model=agent.model, signer=signer)
         put_s = time.perf_counter() - t0
     return {"turn": {**out.to_json(), "put_s": put_s}, "payload": key}
 
@@ -96,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", required=True, help="the agent's name")
     ap.add_argument("--role", default="", help="the agent's role prompt")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--store", required=True, help="store URL shared with the other agents (file:// or redis://)")
+    ap.add_argument("--store", default=None, help="store URL shared with the other agents (file:// or redis://); "
+                    f"default ${STORE_ENV}, which keeps a Redis password off the command line")
+    ap.add_argument("--keys-file", default=None, help="signing keys (kvrelay.kv.sign key lines); default $KVRELAY_KEYS. "
+                    "With keys, the worker signs what it writes and refuses payloads not signed by one of them")
     # the codec of each payload it writes comes with each turn request (kv.codecs names)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--engine", default="fp32", help="kernel mode (models.engine); agents of one workflow share it")
