@@ -64,6 +64,8 @@ MISTAKES = [
      "'int9' is not valid"),
     ("transfer-store-typo", ["bench", "transfer", "--model", SMOL, "--stores", "memory,redis2"],
      "did you mean 'redis'?"),
+    ("calibrate-no-raw", ["calibrate", "--model", SMOL, "--codecs", "int8"], "expected raw among the codecs"),
+    ("calibrate-link-zero", ["calibrate", "--model", SMOL, "--link-mbps", "0"], "a bandwidth > 0"),
     ("audit-dose-limit-1", ["audit", "--preset", "dose", "--model", SMOL, "--limit", "1", "--out", "D"],
      "expected --limit (or NAME:COUNT) >= 2"),
     ("audit-limit-0", ["audit", "--model", SMOL, "--limit", "0", "--out", "D"], "--limit 0 is too small"),

@@ -96,6 +96,10 @@ RUNS = [
     ("bench-engine", ["bench", "engine", "--model", SMOL, "--context-tokens", "32", "--engines", "fp32,int8",
                       "--peer", "none", "--repeats", "1", "--new-tokens", "2", "--pipeline-tokens", "2",
                       "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
+    ("calibrate", ["calibrate", "--model", SMOL, "--context-tokens", "64,96", "--codecs", "raw,int8", "--stores",
+                   "memory", "--repeats", "1", "--no-compare", "--link-mbps", "100", "--link-latency-ms", "1",
+                   "--threads", "1", "--profile", "{tmp}/profile.json", "--json", "{tmp}/calibrate.json"],
+     ["break-even bandwidth", "profile saved", "codec int8-g32"]),
     ("models-list", ["models", "list"], [SMOL, "qwen2.5-coder-0.5b"]),
     ("models-pull", ["models", "pull", SMOL], [f"{SMOL}: ready in"]),
     ("models-info", ["models", "info", SMOL, "--json", "{tmp}/info.json"], ["fingerprint", "KV bytes / token"]),
@@ -120,7 +124,8 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",
-                 "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json"}
+                 "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json",
+                 "calibrate": "kvrelay calibrate --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:

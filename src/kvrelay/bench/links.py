@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvrelay.kv import codecs
 from kvrelay.kv.wire import pack_parts
+from kvrelay.policy.cost import closed_form_break_even_mbps  # noqa: F401 - the one closed form, re-exported here
 
 
 def wire_parts(c: codecs.Compressed) -> list:
@@ -32,20 +33,6 @@ class LinkRow:
     kv_s: float  # end to end at the receiver, see the module docstring
     text_s: float
     kv_faster: bool
-
-
-def closed_form_break_even_mbps(payload_bytes: int, text_bytes: int, text_fixed_s: float, kv_fixed_s: float) -> float:
-    """Bandwidth (Mbit/s) where ``kv_fixed + payload/bw == text_fixed + text/bw``; inf when kv never pays.
-
-    ``text_fixed_s``: the text receiver's compute (prefill of context + prompt); ``kv_fixed_s``:
-    every kv cost but the transfer (codec, wire, cache build, prompt prefill)."""
-    gain = text_fixed_s - kv_fixed_s
-    extra_bits = 8.0 * (payload_bytes - text_bytes)
-    if extra_bits <= 0:
-        return 0.0 if gain >= 0 else float("inf")
-    if gain <= 0:
-        return float("inf")
-    return extra_bits / gain / 1e6
 
 
 def measured_break_even_mbps(rates: list[float], kv_s: list[float], text_s: list[float]) -> dict:

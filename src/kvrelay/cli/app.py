@@ -265,6 +265,7 @@ _mount(app, "kvrelay.cli.fuse", "fuse", "Cross-model cache relay: fit adapters, 
 _mount(bench_app, "kvrelay.cli.repair", None)
 _mount(bench_app, "kvrelay.cli.bench_engine", None)
 _mount(bench_app, "kvrelay.cli.bench_partial", None)
+_mount(app, "kvrelay.cli.calibrate", None)
 bench_app.info.help = "Measurements: " + ", ".join(c.name for c in bench_app.registered_commands) + "."
 
 
