@@ -95,7 +95,10 @@ RUNS = [
     ("models-pull-gguf", ["models", "pull", SMOL, "--keep-gguf"], ["model.gguf"]),
     ("bench-engine", ["bench", "engine", "--model", SMOL, "--context-tokens", "32", "--engines", "fp32,int8",
                       "--peer", "none", "--repeats", "1", "--new-tokens", "2", "--pipeline-tokens", "2",
-                      "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
+                      "--allow-load", "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
+    ("bench-speculative", ["bench", "speculative", "--target", "tiny:qwen2", "--draft", "tiny:qwen2:1",
+                           "--context-tokens", "32", "--new-tokens", "4", "--repeats", "1", "--allow-load",
+                           "--json", "{tmp}/speculative.json"], ["relay_lookup", "relay_draft"]),
     ("calibrate", ["calibrate", "--model", SMOL, "--context-tokens", "64,96", "--codecs", "raw,int8", "--stores",
                    "memory", "--repeats", "1", "--no-compare", "--link-mbps", "100", "--link-latency-ms", "1",
                    "--threads", "1", "--profile", "{tmp}/profile.json", "--json", "{tmp}/calibrate.json"],
@@ -125,7 +128,7 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",
                  "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json",
-                 "calibrate": "kvrelay calibrate --json"}
+                 "calibrate": "kvrelay calibrate --json", "bench-speculative": "kvrelay bench speculative --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:

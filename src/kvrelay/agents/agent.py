@@ -34,6 +34,7 @@ from kvrelay.models.attention import tail_aligned_attention
 from kvrelay.models.engine import mode
 from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
+from kvrelay.models.speculative import SpecStats
 
 LAYOUTS = ("continue", "replace")
 READER_ROLE = "You are a careful reader. Read the document."  # the sender of `kvrelay relay` / `kvrelay read`
@@ -52,6 +53,7 @@ class Response:
     decode_s: float
     layout: str
     payload: KVPayload | None = field(default=None, repr=False)  # state after answering, when asked for
+    speculation: SpecStats | None = None  # drafts proposed and kept, when decoded speculatively
 
 
 class Agent:
@@ -150,7 +152,7 @@ class Agent:
 
     def respond(self, prompt: str, context: Context = None, *, layout: str = "continue",
                 max_new_tokens: int | None = None, return_payload: bool = False,
-                min_new_tokens: int = 0, repair: str | RepairSpec | None = None) -> Response:
+                min_new_tokens: int = 0, repair: str | RepairSpec | None = None, speculate=None) -> Response:
         """Answer ``prompt`` greedily, given a relayed payload, a text context, raw token ids, or nothing.
 
         * ``KVPayload``: relayed cache (checked, then used in ``layout``).
@@ -160,6 +162,8 @@ class Agent:
         ``min_new_tokens`` suppresses stop tokens until that many tokens are written (benchmarks).
         ``repair`` (replace layout only): recompute part of the moved payload behind the prefix; its cost
         is part of ``cache_build_s`` and so of ``ttft_s``.
+        ``speculate``: decode speculatively, same tokens — ``models.speculative.PromptLookup()`` (drafts from
+        the tokens the cache holds and the answer so far) or ``agents.draft.DraftModel`` (a smaller model's).
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -205,7 +209,7 @@ class Agent:
             layered = False
         return self._answer(cache, ids, start_pos, history_ids, history_pos, build_s=time.perf_counter() - t0,
                             relayed=relayed, layout=layout, max_new_tokens=n_new, min_new_tokens=min_new_tokens,
-                            return_payload=return_payload, layered=layered)
+                            return_payload=return_payload, layered=layered, speculate=speculate)
 
     def respond_ids(self, ids: Sequence[int], context: KVPayload | None = None, *, max_new_tokens: int | None = None,
                     return_payload: bool = False, on_token: Callable[[torch.Tensor], None] | None = None,
@@ -236,15 +240,21 @@ class Agent:
 
     def _answer(self, cache, ids: list[int], start_pos: int, history_ids, history_pos, *, build_s: float, relayed: int,
                 layout: str, max_new_tokens: int, min_new_tokens: int = 0, return_payload: bool = False,
-                layered: bool = False, on_token=None) -> Response:
+                layered: bool = False, on_token=None, speculate=None) -> Response:
         """Prefill ``ids`` at ``start_pos..`` after ``cache`` and decode greedily: the end of every answer."""
+        history = drafter = None
+        if speculate is not None:  # its set-up (an n-gram index, the draft's cache) is part of the cache build
+            t0 = time.perf_counter()
+            history = ([] if history_ids is None else history_ids[0].tolist()) + ids
+            drafter = speculate.drafter(self.lm, history, start_pos + len(ids))
+            build_s += time.perf_counter() - t0
         ids_t = torch.tensor([ids], dtype=torch.int64)  # (1, q)
         pos_t = torch.arange(start_pos, start_pos + len(ids), dtype=torch.int64)[None]  # (1, q)
         with tail_aligned_attention(self.model) if layered else nullcontext():
             out = generate(self.model, cache, ids_t, pos_t, None, max_new_tokens, self.stop_ids,
                            pad_id=self.tokenizer.pad_token_id or 0, min_new_tokens=min_new_tokens,
                            keep_prefill=return_payload and not mode(self.identity.engine).phase_uniform,
-                           on_token=on_token)
+                           on_token=on_token, drafter=drafter, history=history)
         n = int(out.lengths[0])
         gen = out.tokens[0, :n].tolist()
         payload = None
@@ -252,7 +262,7 @@ class Agent:
             payload = self._finish_turn(cache, out, ids_t, pos_t, history_ids, history_pos)
         self.round += 1
         return Response(self.decode(gen), tuple(gen), len(ids), relayed, build_s + out.prefill_s, build_s,
-                        out.prefill_s, out.decode_s, layout, payload)
+                        out.prefill_s, out.decode_s, layout, payload, out.speculation)
 
     def _finish_turn(self, cache, out, ids_t, pos_t, history_ids, history_pos) -> KVPayload:
         """The cache holding the whole turn: context, prompt, answer and the end-of-turn marker.

@@ -22,6 +22,8 @@ are refused by another unless accepted explicitly (``kvrelay.fuse.engine``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +97,7 @@ class PhaseLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = src.in_features, src.out_features
         self.weight, self.bias = src.weight, src.bias
+        self.every_call = False  # True inside ``decode_weights``: multi-token calls use the compact copy too
         w = src.weight.detach().float()  # (N, K)
         if kind == "int4" and not _int4_fits(w):
             kind = "int8"
@@ -127,7 +130,7 @@ class PhaseLinear(nn.Linear):
         return y.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., q, K)
-        if x.ndim < 2 or x.shape[-2] != 1 or x.dtype != torch.float32:
+        if x.ndim < 2 or (x.shape[-2] != 1 and not self.every_call) or x.dtype != torch.float32:
             return nn.functional.linear(x, self.weight, self.bias)
         y = self.compact(x.reshape(-1, self.in_features))  # (M, N)
         if self.bias is not None:
@@ -156,6 +159,23 @@ def apply_engine(model: nn.Module, name: str) -> nn.Module:
                     done[id(child)] = PhaseLinear(child, name)
                 setattr(parent, child_name, done[id(child)])
     return model
+
+
+@contextmanager
+def decode_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block every call multiplies with the weights a one-token call uses.
+
+    A speculative verify forward reads several tokens at once but must compute what one-token decode
+    steps compute (``models.speculative``); in ``fp32`` (no ``PhaseLinear``) this changes nothing.
+    """
+    layers = [m for m in model.modules() if isinstance(m, PhaseLinear)]
+    for m in layers:
+        m.every_call = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.every_call = False
 
 
 def strip_engine(model: nn.Module) -> nn.Module:

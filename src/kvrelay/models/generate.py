@@ -25,6 +25,7 @@ class Decoded:
     next_positions: torch.Tensor  # (B,) position the next token of each row would take
     # per layer (keys, values) right after the prefill (B, H, T_l, D), when asked for (``keep_prefill``)
     prefill_kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    speculation: object | None = None  # ``models.speculative.SpecStats`` when decoded speculatively
 
 
 @torch.inference_mode()
@@ -91,17 +92,32 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
 def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
              min_new_tokens: int = 0, keep_prefill: bool = False,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> Decoded:
+             on_token: Callable[[torch.Tensor], None] | None = None, drafter=None,
+             history: list[int] | None = None) -> Decoded:
     """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode.
 
     ``keep_prefill``: also return the cache's tensors as they were after the prefill (no copy: a
     cache layer's update concatenates into new tensors and never writes into the old ones).
+    ``drafter`` (one unpadded row): decode speculatively (``models.speculative``) with drafts checked
+    against ``history``, every token the cache holds after the prefill; the tokens are the same.
     """
     t0 = time.perf_counter()
     logits = forward_last(model, input_ids, position_ids, cache, attention_mask)
     kept = tuple((layer.keys, layer.values) for layer in cache.layers) if keep_prefill else None
     t1 = time.perf_counter()
-    tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
-                                            max_new_tokens, stop_ids, pad_id, min_new_tokens, on_token)
+    stats = None
+    if drafter is not None:
+        from kvrelay.models.speculative import speculative_decode
+
+        if input_ids.shape[0] != 1 or attention_mask is not None or history is None:
+            raise ValueError("speculative decoding takes one unpadded row and the history its cache holds")
+        spec = speculative_decode(model, cache, history, logits, int(position_ids[0, -1]) + 1, drafter,
+                                  max_new_tokens, stop_ids, min_new_tokens, on_token)
+        tokens = torch.tensor([spec.tokens], dtype=torch.int64).reshape(1, -1)  # (1, N)
+        lengths, mask, stats = torch.tensor([spec.length]), None, spec.stats
+    else:
+        tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
+                                                max_new_tokens, stop_ids, pad_id, min_new_tokens, on_token)
     t2 = time.perf_counter()
-    return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1, kept)
+    return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1, kept,
+                   stats)

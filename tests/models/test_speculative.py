@@ -1,0 +1,117 @@
+"""Speculative decoding from relayed caches: the same greedy tokens as plain decoding, drafts or not.
+
+Every test decodes the same relayed payload twice — plainly and speculatively — and compares token
+for token, with drafts that are partly accepted and partly rejected, so the cache rollback is exercised
+(an off-by-one in it, planted once, made these tests fail). gemma3's sliding-window layers (window 8)
+are crossed and rolled back too.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvrelay.agents.agent import Agent
+from kvrelay.agents.draft import DraftModel
+from kvrelay.core.errors import IncompatiblePayload
+from kvrelay.models.loader import with_engine
+from kvrelay.models.speculative import LookupDrafter, PromptLookup
+from kvrelay.models.tiny import tiny_lm
+
+CONTEXT = "the vault is blue and the key is seven what is the code of the red file " * 3
+PROMPT = "what is the key"
+N = 40
+
+
+def _perturbed(lm, scale: float, seed: int = 1):
+    """A draft model: ``lm``'s weights plus noise (agrees with it often, not always), same tokenizer."""
+    model = copy.deepcopy(lm.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return replace(lm, model=model, identity=replace(lm.identity, fingerprint=f"perturbed-{scale}-{seed}"))
+
+
+def _answer(lm, payload, **kw):
+    return Agent(lm, "receiver").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=N, **kw)
+
+
+CASES = [("qwen2", "fp32"), ("llama", "fp32"), ("gemma3", "fp32"), ("qwen2", "int8"), ("gemma3", "int4")]
+
+
+@pytest.mark.parametrize(("arch", "engine"), CASES)
+def test_prompt_lookup_writes_what_plain_decoding_writes(arch, engine):
+    lm = with_engine(tiny_lm(arch), engine)
+    payload = Agent(lm, "sender").read(CONTEXT)
+    plain = _answer(lm, payload)
+    spec = _answer(lm, payload, speculate=PromptLookup(min_ngram=1))  # 1-grams: many drafts, many rejected
+    assert len(spec.token_ids) == N and spec.token_ids == plain.token_ids
+    s = spec.speculation
+    assert s.accepted > 0 and s.verify_forwards < N - 1  # drafts were kept: they saved target forwards
+
+
+@pytest.mark.parametrize(("arch", "engine"), CASES[:4])
+def test_draft_model_speculation_from_both_relayed_caches_writes_what_plain_decoding_writes(arch, engine):
+    lm = with_engine(tiny_lm(arch), engine)
+    draft = _perturbed(lm, 0.004)
+    payload, draft_payload = Agent(lm, "sender").read(CONTEXT), Agent(draft, "sender").read(CONTEXT)
+    plain = _answer(lm, payload)
+    spec = _answer(lm, payload, speculate=DraftModel(draft, draft_payload))
+    assert spec.token_ids == plain.token_ids
+    assert 0 < spec.speculation.accepted < spec.speculation.drafted
+
+
+def test_a_draft_identical_to_the_target_is_always_accepted():
+    lm = tiny_lm("qwen2")
+    payload = Agent(lm, "sender").read(CONTEXT)
+    spec = _answer(lm, payload, speculate=DraftModel(lm, payload, num_draft=4))
+    assert spec.token_ids == _answer(lm, payload).token_ids
+    s = spec.speculation
+    assert s.acceptance == 1.0 and s.verify_forwards == -(-(N - 1) // 5)  # 1 + 4 tokens a forward
+
+
+def test_speculation_leaves_the_cache_plain_decoding_leaves():
+    """The whole-turn payload after a speculative answer is the plain one: no rejected draft stays behind."""
+    lm = tiny_lm("llama")
+    payload = Agent(lm, "sender").read(CONTEXT)
+    plain = Agent(lm, "r").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=N, return_payload=True)
+    spec = Agent(lm, "r").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=N, return_payload=True,
+                                  speculate=PromptLookup())
+    assert torch.equal(spec.payload.token_ids, plain.payload.token_ids)
+    for a, b in zip(spec.payload.keys, plain.payload.keys, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-4
+
+
+def test_stop_tokens_end_a_speculative_answer_where_they_end_a_plain_one():
+    lm = tiny_lm("qwen2")
+    payload = Agent(lm, "sender").read(CONTEXT)
+    for n_min in (0, 3):
+        plain = Agent(lm, "r").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=n_min)
+        spec = Agent(lm, "r").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=n_min,
+                                      speculate=PromptLookup(num_draft=3, min_ngram=1))
+        assert spec.token_ids == plain.token_ids
+
+
+def test_lookup_proposes_the_continuation_of_the_latest_match():
+    seq = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
+    d = LookupDrafter(PromptLookup(num_draft=3, max_ngram=3, min_ngram=2), seq[:4])
+    assert d.propose(seq, 8) == [7, 1, 2]  # [5, 6] last seen before [7, 1, 2]; [x, 5, 6] not seen before
+    assert d.propose(seq, 2) == [7, 1]
+    d.update(seq, 3, 0)
+    assert d.propose(seq, 8) == [7, 1]  # a rejected draft shortens the next one
+    assert d.propose([*seq, 4], 8) == []  # [6, 4] and [5, 6, 4] never occurred
+
+
+def test_a_draft_payload_of_other_tokens_or_another_tokenizer_is_refused():
+    lm = tiny_lm("qwen2")
+    payload = Agent(lm, "sender").read(CONTEXT)
+    other = Agent(lm, "sender").read("the red file is not blue")
+    with pytest.raises(IncompatiblePayload, match="token_ids"):
+        _answer(lm, payload, speculate=DraftModel(lm, other))
+    foreign = replace(lm, identity=replace(lm.identity, tokenizer_hash="0" * 64))
+    with pytest.raises(IncompatiblePayload, match="tokenizer"):
+        _answer(lm, payload, speculate=DraftModel(foreign, None))
