@@ -112,6 +112,14 @@ def test_a_draft_payload_of_other_tokens_or_another_tokenizer_is_refused():
     other = Agent(lm, "sender").read("the red file is not blue")
     with pytest.raises(IncompatiblePayload, match="token_ids"):
         _answer(lm, payload, speculate=DraftModel(lm, other))
-    foreign = replace(lm, identity=replace(lm.identity, tokenizer_hash="0" * 64))
-    with pytest.raises(IncompatiblePayload, match="tokenizer"):
+    foreign = replace(lm, identity=replace(lm.identity, tokenizer_hash="0" * 64), tokenizer=_other_vocabulary(lm))
+    with pytest.raises(IncompatiblePayload, match="vocabulary"):
         _answer(lm, payload, speculate=DraftModel(foreign, None))
+    chat = replace(lm, identity=replace(lm.identity, tokenizer_hash="1" * 64))  # same ids, another chat template
+    assert _answer(lm, payload, speculate=DraftModel(chat, None)).token_ids == _answer(lm, payload).token_ids
+
+
+def _other_vocabulary(lm):
+    tok = copy.deepcopy(lm.tokenizer)
+    tok.add_tokens(["zebra"])
+    return tok

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvrelay.agents.receive import RoundBook, receive
 from kvrelay.core.errors import IncompatiblePayload
@@ -33,11 +34,11 @@ class DraftModel:
         if self.payload is not None and self.payload.batch_size != 1:
             raise ValueError("a draft payload holds one row")
 
-    def drafter(self, identity, history: Sequence[int], next_position: int) -> ModelDrafter:
-        """A drafter for a receiver of ``identity`` whose cache holds ``history``, next token at ``next_position``."""
-        if self.lm.identity.tokenizer_hash != identity.tokenizer_hash:
-            raise IncompatiblePayload("tokenizer_hash", identity.tokenizer_hash, self.lm.identity.tokenizer_hash,
-                                      "a draft model must share the receiver's tokenizer (its tokens are verified "
+    def drafter(self, lm, history: Sequence[int], next_position: int) -> ModelDrafter:
+        """A drafter for a receiver on ``lm`` whose cache holds ``history``, next token at ``next_position``."""
+        if not same_vocabulary(lm, self.lm):
+            raise IncompatiblePayload("vocabulary", lm.identity.tokenizer_hash, self.lm.identity.tokenizer_hash,
+                                      "a draft model must share the receiver's token ids (its tokens are verified "
                                       "by the receiver as they are)")
         origin = next_position - len(history)
         model = self.lm.model
@@ -52,3 +53,12 @@ class DraftModel:
                                       f"{len(held)} other tokens from position {int(p.positions[0, 0])}",
                                       "the draft's payload must encode the relayed tokens the target's does")
         return ModelDrafter(model, to_cache(p, model.config), len(held), origin, self.num_draft)
+
+
+@lru_cache(maxsize=8)
+def same_vocabulary(a, b) -> bool:
+    """Whether two loaded models map token ids to the same strings (chat templates may differ: drafts are ids)."""
+    if a.identity.tokenizer_hash == b.identity.tokenizer_hash:
+        return True
+    ta, tb = a.tokenizer, b.tokenizer
+    return ta.get_vocab() == tb.get_vocab() and ta.all_special_ids == tb.all_special_ids

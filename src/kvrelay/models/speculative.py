@@ -57,7 +57,7 @@ class PromptLookup:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
-    def drafter(self, identity, history: Sequence[int], next_position: int) -> LookupDrafter:
+    def drafter(self, lm, history: Sequence[int], next_position: int) -> LookupDrafter:
         return LookupDrafter(self, history)
 
 
