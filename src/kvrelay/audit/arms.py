@@ -18,6 +18,9 @@ context: a ``KVPayload`` for cache arms, token ids / text for text arms, ``None`
                    the mismatched payload elsewhere, so length and presence stay equal
 ``kv_tokens:SPEC`` only a fraction of tokens: ``first:0.5``, ``last:0.2``, ``topk:0.2``
 ``kv_codec:NAME``  after a codec (``fp16``, ``int8``, ``int4``, ``evict:0.2``, ...)
+``kv_partial:F``   receiver-driven partial relay (``kv.partial``): the share F of positions the
+                   receiver's own prompt attends to most, per layer and KV head
+``kv_partial_mismatched:F``  the same selection, by the same prompt, over another task's length-matched payload
 ``kv_adapter:A``   another model's cache of the context, through adapter artefact ``A``
                    (``audit.channels``; the runner builds it, not ``build_kv``)
 ``kv_adapter_mismatched:A``  that model's length-matched cache of another task, through ``A``
@@ -80,8 +83,9 @@ def _token_subset(p: KVPayload, spec: str, scores: torch.Tensor | None) -> KVPay
 
 
 def build_kv(arm: Arm, matched: KVPayload, mismatched: KVPayload | None, generator: torch.Generator,
-             model=None) -> tuple[KVPayload, int]:
-    """The payload a cache arm relays, and its size in bytes on the wire."""
+             model=None, question_ids=None) -> tuple[KVPayload, int]:
+    """The payload a cache arm relays, and its size in bytes on the wire. ``question_ids``: the tokens the
+    receiver appends (its prompt), which the partial arms' selection is driven by."""
     if arm.base == "kv":
         return matched, matched.nbytes
     if arm.base == "kv_mismatched":
@@ -106,6 +110,15 @@ def build_kv(arm: Arm, matched: KVPayload, mismatched: KVPayload | None, generat
             scores = attention_scores(model, matched)
         out = _token_subset(matched, arm.dial, scores)
         return out, out.nbytes
+    if arm.base in ("kv_partial", "kv_partial_mismatched"):
+        from kvrelay.kv.partial import Budget, PartialRequest, select
+
+        src = matched if arm.base == "kv_partial" else mismatched
+        if src is None or question_ids is None or model is None:
+            raise ValueError(f"{arm.name} needs the model, the receiver's prompt ids and (control) a mismatched payload")
+        sel = select(src, PartialRequest(tuple(int(i) for i in question_ids), Budget(fraction=float(arm.dial))),
+                     model=model)
+        return sel.compressed.decompress(), sel.compressed.nbytes
     if arm.base == "kv_codec":
         from kvrelay.kv.codecs import compress
 

@@ -51,6 +51,7 @@ from kvrelay.audit.channels import open_channel, open_variant, relabelled, varia
 from kvrelay.audit.config import AuditConfig, split_task_spec  # noqa: F401 (re-exported)
 from kvrelay.audit.partners import mismatch_partners, run_order
 from kvrelay.audit.tasks import Task, load_tasks, score
+from kvrelay.audit.vocab import PARTIAL_ARMS
 from kvrelay.core.errors import KVRelayError
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
@@ -195,7 +196,8 @@ class AuditRunner:
             return [adapter.adapt(p, self.lm.identity) for p in sent], [p.nbytes for p in sent], 0.0
         out, sizes = [], []
         for s in states:
-            p, nbytes = build_kv(arm, s.payload, s.mismatched, gen, model=self.lm.model)
+            q = self.receiver.prompt_ids(s.task.prompt) if arm.base in PARTIAL_ARMS else None
+            p, nbytes = build_kv(arm, s.payload, s.mismatched, gen, model=self.lm.model, question_ids=q)
             out.append(p)
             sizes.append(nbytes)
         return out, sizes, 0.0

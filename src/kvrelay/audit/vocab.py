@@ -33,20 +33,25 @@ REGIMES = ("private", "shared")
 OUTCOMES = ("success", "latency_s", "relay_bytes", "prefill_tokens")
 
 PLAIN_ARMS = ("none", "text_message", "text_full", "kv", "kv_mismatched", "kv_zeroed", "kv_random")
-DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec")
+DIAL_ARMS = ("kv_noise", "kv_layers", "kv_tokens", "kv_codec", "kv_partial", "kv_partial_mismatched")
+#: receiver-driven partial relay (``kv.partial``) of the matched payload / of the length-matched mismatched one,
+#: the positions chosen by the receiver's own prompt in both; dial: the fraction of positions
+PARTIAL_ARMS = ("kv_partial", "kv_partial_mismatched")
 #: arms whose cache another model made, through adapter artefact NAME (their dial)
 ADAPTER_ARMS = ("kv_adapter", "kv_adapter_mismatched")
 #: arms whose cache a fine-tuned sibling made, through a named repair (dial ``NAME:REPAIR``)
 VARIANT_ARMS = ("kv_variant", "kv_variant_mismatched")
 RAW_REPAIR = "raw"  # a variant arm's repair that accepts the sibling's cache unchanged
 #: arms whose payload is another task's reading (length-matched partner)
-MISMATCH_ARMS = ("kv_mismatched", "kv_layers")
+MISMATCH_ARMS = ("kv_mismatched", "kv_layers", "kv_partial_mismatched")
 #: adapter contrast family -> (arm A base, arm B): B None means the plain arm ``none``
 ADAPTER_CONTRASTS = {"adapter_pairing": ("kv_adapter", "kv_adapter_mismatched"), "adapter_vs_none": ("kv_adapter", None)}
 #: variant contrast family -> (arm A base, arm B): B a plain arm, or a base that takes A's dial
 VARIANT_CONTRASTS = {"variant_pairing": ("kv_variant", "kv_variant_mismatched"), "variant_vs_kv": ("kv_variant", "kv")}
+#: partial-relay contrast family -> (arm A base, arm B)
+PARTIAL_CONTRASTS = {"partial_pairing": ("kv_partial", "kv_partial_mismatched"), "partial_vs_kv": ("kv_partial", "kv")}
 #: every dialed contrast family -> (arm A base, arm B)
-CHANNEL_CONTRASTS = {**ADAPTER_CONTRASTS, **VARIANT_CONTRASTS}
+CHANNEL_CONTRASTS = {**ADAPTER_CONTRASTS, **VARIANT_CONTRASTS, **PARTIAL_CONTRASTS}
 #: arms whose input depends on the seed (random draws); the others give one answer per task
 STOCHASTIC_ARMS = ("kv_random", "kv_noise")
 
@@ -109,7 +114,7 @@ class ArmName:
 
 def arm_help() -> str:
     return (f"{', '.join(PLAIN_ARMS)}, kv_noise:SIGMA, kv_layers:SPEC, kv_tokens:{'|'.join(TOKEN_MODES)}:FRACTION, "
-            "kv_codec:NAME, kv_adapter:ARTEFACT, kv_adapter_mismatched:ARTEFACT, kv_variant:NAME:REPAIR, "
+            "kv_codec:NAME, kv_partial:FRACTION, kv_partial_mismatched:FRACTION, kv_adapter:ARTEFACT, kv_adapter_mismatched:ARTEFACT, kv_variant:NAME:REPAIR, "
             "kv_variant_mismatched:NAME:REPAIR (REPAIR: raw or tokens=F / layers=A-B)")
 
 
@@ -151,6 +156,10 @@ def _check_dial(name: str, base: str, dial: str) -> None:
         f = as_float(frac)
         if how not in TOKEN_MODES or f is None or not 0 < f <= 1:
             raise ValueError(f"{name}: expected kv_tokens:{'|'.join(TOKEN_MODES)}:FRACTION in (0, 1]")
+    elif base in PARTIAL_ARMS:
+        f = as_float(dial)
+        if f is None or not 0 < f <= 1:
+            raise ValueError(f"{name}: expected {base}:FRACTION with FRACTION in (0, 1] (the share of positions)")
     elif base == "kv_codec":
         from kvrelay.kv.codecs import parse
 
