@@ -101,7 +101,15 @@ def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = No
                 keys: Keyring | None = None) -> KVPayload:
     """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it);
     ``keys`` as in ``decode_bytes``."""
-    return decode_bytes(store.get_bytes(key), expect=expect, keys=keys)
+    return get_payload_sized(store, key, expect=expect, keys=keys)[0]
+
+
+def get_payload_sized(store: ByteStore, key: str, *, expect: ModelIdentity | None = None,
+                      keys: Keyring | None = None) -> tuple[KVPayload, int]:
+    """``get_payload`` and the number of bytes it read: what the put wrote, the bytes that crossed the wire
+    (an fp16 or int8 payload's own size, not its decoded fp32 size)."""
+    data = store.get_bytes(key)
+    return decode_bytes(data, expect=expect, keys=keys), memoryview(data).nbytes
 
 
 def get_compressed(store: ByteStore, key: str) -> codecs.Compressed:

@@ -30,7 +30,7 @@ from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.disk import DiskStore
 from kvrelay.transport.keys import Tokens
 from kvrelay.transport.memory import MemoryStore
-from kvrelay.transport.payloads import get_compressed, get_payload, put_payload
+from kvrelay.transport.payloads import get_compressed, get_payload, get_payload_sized, put_payload
 from kvrelay.transport.redis_store import RedisStore
 
 PayloadStore = ByteStore  # every store takes payloads too, through put_payload / get_payload
@@ -79,4 +79,4 @@ def prefix_payload(store: ByteStore, fingerprint: str, token_ids: Tokens) -> KVP
 
 
 __all__ = ["ByteStore", "DiskStore", "MemoryStore", "PayloadStore", "RedisStore", "get_compressed", "get_payload",
-           "open_store", "prefix_payload", "put_payload"]
+           "get_payload_sized", "open_store", "prefix_payload", "put_payload"]

@@ -13,16 +13,15 @@ in where an agent lives and what a payload handle is:
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvrelay.agents.agent import Agent
 from kvrelay.kv import codecs
 from kvrelay.kv.sign import Keyring
-from kvrelay.transport.stores import get_payload, open_store, put_payload
+from kvrelay.transport.stores import open_store
 from kvrelay.workflows.spec import Workflow
-from kvrelay.workflows.turn import TurnOut, take_turn
+from kvrelay.workflows.turn import TurnOut, store_turn, take_turn
 
 
 @runtime_checkable
@@ -82,19 +81,13 @@ class InProcessExecutor:
     def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
              min_new_tokens: int, want_payload: bool) -> TurnOut:
         a = self.agents[agent]
-        get_s = 0.0
-        if cache is not None and self.store is not None:
-            t0 = time.perf_counter()
-            cache = get_payload(self.store, cache, expect=a.identity, keys=self.keys)
-            get_s = time.perf_counter() - t0
-        out = take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
-                        min_new_tokens=min_new_tokens, want_payload=want_payload, get_s=get_s)
-        if out.payload is None or self.store is None:
-            return out
-        t0 = time.perf_counter()
-        key = put_payload(self.store, out.payload, self.codec, key=run_key(self.run_id, agent), model=a.model,
+        if self.store is None:
+            return take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
+                             min_new_tokens=min_new_tokens, want_payload=want_payload)
+        return store_turn(a, self.store, prompt, base, cache, layout, codec=self.codec,
+                          out_key=run_key(self.run_id, agent), max_new_tokens=max_new_tokens,
+                          min_new_tokens=min_new_tokens, want_payload=want_payload, keys=self.keys,
                           signer=self.keys.signer(agent))
-        return out.with_handle(key, put_s=time.perf_counter() - t0)
 
     def release(self, handle: Any) -> None:
         if self.store is not None and isinstance(handle, str):

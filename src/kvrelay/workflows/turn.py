@@ -5,7 +5,8 @@ re-encoded: the text channel), checks that the payload it returns holds exactly 
 sequence (``turn_ids``), and returns a ``TurnOut``: the answer, the token counts and the time
 split the way a transport splits it (see ``workflows.run``). Executors add only how a payload
 reaches the agent and leaves it (``get_s`` / ``put_s``): nothing for in-process hand-over, the
-object store for Ray actors, a store URL for worker processes.
+object store for Ray actors, a store for worker processes and store-backed in-process runs — those two
+share ``store_turn``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.sign import Key, Keyring
+from kvrelay.transport.bytestore import ByteStore
+from kvrelay.transport.stores import get_payload_sized, put_payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +37,7 @@ class TurnOut:
     relayed_tokens: int
     prefill_s: float
     decode_s: float
-    relay_bytes: int  # size of the payload it received (0 without one)
+    relay_bytes: int  # bytes of the payload it received as they travelled (0 without one)
     relay_encode_s: float
     relay_decode_s: float
     get_s: float = 0.0  # the executor's fetch of the relayed payload
@@ -64,11 +68,12 @@ def turn_ids(agent: Agent, prompt: str, base: Sequence[int], layout: str, answer
 
 def take_turn(agent: Agent, prompt: str, base: Sequence[int], cache: KVPayload | None, layout: str, *,
               max_new_tokens: int, min_new_tokens: int = 0, want_payload: bool = False,
-              get_s: float = 0.0) -> TurnOut:
+              get_s: float = 0.0, relay_bytes: int | None = None) -> TurnOut:
     """``agent`` answers ``prompt`` continuing ``cache`` (a relayed payload) or re-encoding ``base``.
 
     The returned ``TurnOut.payload`` is the agent's whole-turn ``KVPayload`` when ``want_payload``
-    (an executor swaps in its own handle), else None. ``get_s``: what fetching ``cache`` cost.
+    (an executor swaps in its own handle), else None. ``get_s``: what fetching ``cache`` cost;
+    ``relay_bytes``: the bytes it travelled as (None: handed over as the object, ``cache.nbytes``).
     """
     arg = cache if cache is not None else torch.tensor(list(base), dtype=torch.int64)
     t1 = time.perf_counter()
@@ -83,5 +88,30 @@ def take_turn(agent: Agent, prompt: str, base: Sequence[int], cache: KVPayload |
     return TurnOut(text=r.text, token_ids=tuple(r.token_ids), ids=tuple(ids),
                    input_tokens=r.prefill_tokens + r.relayed_tokens + prefix, prefill_tokens=r.prefill_tokens + prefix,
                    relayed_tokens=r.relayed_tokens, prefill_s=r.prefill_s, decode_s=r.decode_s,
-                   relay_bytes=cache.nbytes if cache is not None else 0, relay_encode_s=max(encode_s, 0.0),
+                   relay_bytes=(cache.nbytes if relay_bytes is None else relay_bytes) if cache is not None else 0,
+                   relay_encode_s=max(encode_s, 0.0),
                    relay_decode_s=r.cache_build_s if cache is not None else 0.0, get_s=get_s, payload=r.payload)
+
+
+def store_turn(agent: Agent, store: ByteStore, prompt: str, base: Sequence[int], key: str | None, layout: str, *,
+               codec: str, out_key: str, max_new_tokens: int, min_new_tokens: int = 0,
+               want_payload: bool = False, keys: Keyring | None = None, signer: Key | None = None) -> TurnOut:
+    """A turn whose payloads travel through ``store``: the relayed one is read under ``key`` (None: the text
+    channel), the produced one is put under ``out_key`` with ``codec``, and the result's handle is that key.
+
+    ``relay_bytes`` is what the sender's put wrote (the bytes read back: fp16 or int8 sizes, not the
+    decoded fp32 cache's); ``get_s`` / ``put_s`` time the store's read and write. ``keys`` verifies the
+    relayed payload's signature, ``signer`` signs the produced one (``kv.sign``).
+    """
+    cache, get_s, nbytes = None, 0.0, 0
+    if key is not None:
+        t0 = time.perf_counter()
+        cache, nbytes = get_payload_sized(store, key, expect=agent.identity, keys=keys)
+        get_s = time.perf_counter() - t0
+    out = take_turn(agent, prompt, base, cache, layout, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                    want_payload=want_payload, get_s=get_s, relay_bytes=nbytes)
+    if out.payload is None:
+        return out
+    t0 = time.perf_counter()
+    put_key = put_payload(store, out.payload, codec, key=out_key, model=agent.model, signer=signer)
+    return out.with_handle(put_key, put_s=time.perf_counter() - t0)

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from kvrelay.core.errors import PayloadError, PayloadNotFound
 
@@ -39,8 +38,8 @@ def _serve(args, send) -> None:
     from kvrelay.agents.agent import Agent
     from kvrelay.kv.sign import keyring_from
     from kvrelay.models.loader import load_model
-    from kvrelay.transport.stores import get_payload, open_store, put_payload
-    from kvrelay.workflows.turn import take_turn
+    from kvrelay.transport.stores import open_store
+    from kvrelay.workflows.turn import store_turn
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,7 +64,7 @@ def _serve(args, send) -> None:
             elif req["op"] == "context_ids":
                 send({"ids": agent.encode(agent.fmt.user(req["context"]))})
             elif req["op"] == "turn":
-                send(_turn(req, agent, store, get_payload, put_payload, take_turn, keyring, signer))
+                send(_turn(req, agent, store, store_turn, keyring, signer))
             else:
                 raise ValueError(f"unknown op {req['op']!r}; expected reset, context_ids, turn or quit")
         except Exception as e:  # reported to the driver, which raises WorkerError
@@ -76,23 +75,15 @@ TURN_FIELDS = ("prompt", "base", "cache", "layout", "max_new_tokens", "min_new_t
                "codec")
 
 
-def _turn(req: dict, agent, store, get_payload, put_payload, take_turn, keyring=None, signer=None) -> dict:
+def _turn(req: dict, agent, store, store_turn, keyring=None, signer=None) -> dict:
     missing = [f for f in TURN_FIELDS if f not in req]
     if missing:  # every field is required: a payload is never written with a codec the driver did not choose
         raise ValueError(f"turn request lacks {', '.join(missing)}; expected every one of {', '.join(TURN_FIELDS)}")
-    cache, get_s = None, 0.0
-    if req["cache"] is not None:
-        t0 = time.perf_counter()
-        cache = get_payload(store, req["cache"], expect=agent.identity, keys=keyring)
-        get_s = time.perf_counter() - t0
-    out = take_turn(agent, req["prompt"], req["base"], cache, req["layout"], max_new_tokens=req["max_new_tokens"],
-                    min_new_tokens=req["min_new_tokens"], want_payload=req["want_payload"], get_s=get_s)
-    key, put_s = None, 0.0
-    if out.payload is not None:
-        t0 = time.perf_counter()
-        key = put_payload(store, out.payload, req["codec"], key=req["out_key"], model=agent.model, signer=signer)
-        put_s = time.perf_counter() - t0
-    return {"turn": {**out.to_json(), "put_s": put_s}, "payload": key}
+    out = store_turn(agent, store, req["prompt"], req["base"], req["cache"], req["layout"], codec=req["codec"],
+                     out_key=req["out_key"], max_new_tokens=req["max_new_tokens"],
+                     min_new_tokens=req["min_new_tokens"], want_payload=req["want_payload"], keys=keyring,
+                     signer=signer)
+    return {"turn": out.to_json(), "payload": out.payload}
 
 
 def main(argv: list[str] | None = None) -> None:
