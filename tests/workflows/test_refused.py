@@ -105,3 +105,46 @@ def test_worker_processes_report_a_refusal_the_runner_acts_on(tmp_path, referenc
         trace = run_workflow(ex, _chain("text"), CONTEXT)  # the same workers, the edge now falls back
     assert trace.outputs() == reference.outputs()
     assert trace.agents[2].channel == "kv->text" and trace.agents[2].fallback.startswith("CorruptPayload: ")
+
+
+def rewrite_the_last_layer(store, key: str) -> None:
+    """What a writer with store access can do: new K/V for one layer, every checksum recomputed."""
+    from kvrelay.kv import wire
+
+    tensors, meta = wire.unpack(store.get_bytes(key))
+    last = max(int(n.split(".")[1]) for n in tensors if n.startswith("layers."))
+    tensors[f"layers.{last}.k"] = tensors[f"layers.{last}.k"].flip(2)  # the positions' keys reordered
+    store.put_bytes(key, wire.pack(tensors, meta))
+
+
+@pytest.mark.parametrize("on_refused", ["stop", "text"])
+def test_an_edge_that_verifies_catches_a_rewritten_payload(lm, reference, on_refused):
+    from kvrelay.agents.verify import VerifySpec
+
+    wf = _chain(on_refused)
+    wf = replace(wf, edges=tuple(replace(e, verify=VerifySpec(k=4)) if e.dst == "checker" else e for e in wf.edges))
+    assert Workflow.from_toml(wf.to_toml()) == wf and "verify = {k = 4, full = false}" in wf.to_toml()
+    plain = run_workflow(Tampering(lm, "checker", rewrite_the_last_layer, store="memory://unverified", codec="raw"),
+                         _chain(on_refused), CONTEXT)
+    assert plain.agents[2].channel == "kv"  # without verification the rewrite goes unnoticed
+    ex = Tampering(lm, "checker", rewrite_the_last_layer, store=f"memory://verified-{on_refused}", codec="raw")
+    if on_refused == "stop":
+        with pytest.raises(EdgeRefused) as e:
+            run_workflow(ex, wf, CONTEXT)
+        assert (e.value.src, e.value.dst, e.value.kind) == ("fixer", "checker", "TamperedPayload")
+        return
+    trace = run_workflow(ex, wf, CONTEXT)
+    assert trace.outputs() == reference.outputs()
+    assert trace.agents[2].channel == "kv->text" and trace.agents[2].fallback.startswith("TamperedPayload: ")
+    clean = run_workflow(InProcessExecutor(lm, store="memory://verified-clean", codec="raw"), wf, CONTEXT)
+    assert [a.channel for a in clean.agents] == ["root", "kv", "kv"]  # a genuine payload passes the check
+
+
+def test_verify_tables_in_toml_are_checked():
+    text = _chain().to_toml().replace('channel = "kv"', 'channel = "kv"\nverify = {k = 8, seed = 3}', 1)
+    wf = Workflow.from_toml(text)
+    assert wf.edges[0].verify.k == 8 and wf.edges[0].verify.seed == 3 and wf.verify_for("fixer").k == 8
+    with pytest.raises(ValueError, match="verify takes k, full and seed"):
+        Workflow.from_toml(text.replace("seed = 3", "depth = 3"))
+    with pytest.raises(ValueError, match="k must be an int >= 2"):
+        Workflow.from_toml(text.replace("k = 8", "k = 1"))

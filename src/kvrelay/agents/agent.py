@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.agents.receive import RoundBook, RoundRules, receive
+from kvrelay.agents.verify import VerifySpec, require_verified
 from kvrelay.fuse.adapter import Adapter
 from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
 from kvrelay.kv.cache import from_cache, to_cache, to_layered_cache
@@ -61,7 +62,7 @@ class Agent:
 
     def __init__(self, lm, name: str = "agent", role: str = "", *, max_new_tokens: int = 64,
                  fmt: PromptFormat | None = None, adapter: Adapter | None = None,
-                 round_rules: RoundRules | None = None):
+                 round_rules: RoundRules | None = None, verify: VerifySpec | None = None):
         self.lm = lm
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -73,6 +74,7 @@ class Agent:
         self.round = 0
         self.adapter = adapter  # maps payloads of other models (kvrelay.fuse); None: same model only
         self._rounds = RoundBook(round_rules or RoundRules())  # what it accepts of each producer's rounds
+        self.verify = verify  # recompute part of every payload of its own model before using it (agents.verify)
         self.stop_ids = self._stop_ids()
 
     # -- tokens ------------------------------------------------------------------------------
@@ -141,10 +143,17 @@ class Agent:
     def check(self, p: KVPayload, rounds: RoundBook | None = None) -> KVPayload:
         """The payload this agent may attend to — ``p``, or ``p`` through its adapter — or a typed error
         (``IncompatiblePayload``, ``StalePayload``, ``MissingRound``, ``ExpiredPayload``,
-        ``ProducerModelChanged``); records its round in ``rounds`` (default: the agent's own book; see
+        ``ProducerModelChanged``, ``TamperedPayload`` when it verifies); records its round in ``rounds`` (default: the agent's own book; see
         ``agents.receive``)."""
-        return receive(p, self.identity, self._rounds if rounds is None else rounds, self.adapter,
-                       now_round=self.round)
+        book = self._rounds if rounds is None else rounds
+        if self.verify is None:
+            return receive(p, self.identity, book, self.adapter, now_round=self.round)
+        trial = RoundBook(book.rules, dict(book.held), dict(book.models), {k: set(v) for k, v in book.retired.items()})
+        usable = receive(p, self.identity, trial, self.adapter, now_round=self.round)
+        if usable is p:  # its own model's payload (an adapter's output is approximate by design)
+            require_verified(self.model, p, self.verify)
+        book.held, book.models, book.retired = trial.held, trial.models, trial.retired  # recorded once verified
+        return usable
 
     def _prefix_payload(self) -> KVPayload | None:
         ids = self.encode(self.fmt.system(self.role))

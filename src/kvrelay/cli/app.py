@@ -257,6 +257,7 @@ def bench_relay_cmd(
 _mount(app, "kvrelay.cli.models", "models", "The model zoo: list, pull, info.")
 _mount(app, "kvrelay.cli.audit", "audit", "Causal audit of relayed caches: effects with CIs, report.")
 _mount(app, "kvrelay.cli.payload", None)
+_mount(app, "kvrelay.cli.verify", None)
 _mount(app, "kvrelay.cli.serve", None)
 _mount(app, "kvrelay.cli.doctor", "doctor", "Diagnose a link: two models' configs, a payload, a live link's checks.")
 _mount(bench_app, "kvrelay.cli.pipeline", None)

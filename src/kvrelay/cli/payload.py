@@ -72,6 +72,8 @@ def read_cmd(
                               "measurements (docs/codecs.md), raw is bit-exact"),
     ttl: float = typer.Option(None, help="seconds the store keeps it (default: until deleted)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    keys_file: Path = typer.Option(None, help="sign the payload with the key for producer 'sender' from this file "
+                                   "(kvrelay.kv.sign key lines; default $KVRELAY_KEYS when set)"),
 ) -> None:
     """The sender's half of `kvrelay relay`: read the context into a payload, to a file or a store."""
     from kvrelay.cli.app import context_input
@@ -87,23 +89,27 @@ def read_cmd(
     if ttl is not None and not ttl > 0:
         raise v.InvalidInput(f"--ttl {ttl}", "a positive number of seconds")
     c = _codec(codec)
+    from kvrelay.kv.sign import keyring_from
+
+    keys = keyring_from(keys_file)
+    signer = keys.signer("sender")
+    if keys and signer is None:
+        raise v.InvalidInput("the keys hold no key that may sign for producer 'sender'",
+                             "an hmac or ed25519-private key line (producers= unset or naming sender)")
 
     from kvrelay.agents.agent import READER_ROLE, Agent
     from kvrelay.cli.common import load_for_cli
-    from kvrelay.kv import codecs, wire
+    from kvrelay.transport.payloads import save_payload
     from kvrelay.transport.stores import open_store, put_payload
 
     lm = load_for_cli(model, None, engine)
     payload = Agent(lm, "sender", role=READER_ROLE).read(text_in)
     note(f"read {payload.num_tokens} tokens on {model} ({payload.nbytes / 1e6:.1f} MB as {payload.meta.dtype})")
     if store is not None:
-        print(put_payload(open_store(store), payload, c.name, ttl_s=ttl, model=lm.model))
+        print(put_payload(open_store(store), payload, c.name, ttl_s=ttl, model=lm.model, signer=signer))
         return
     out.parent.mkdir(parents=True, exist_ok=True)
-    if c.lossless:
-        wire.save(payload, out)
-    else:
-        wire.atomic_write(out, wire.pack_parts(*codecs.compress(payload, c, model=lm.model).to_wire()))
+    save_payload(out, payload, c.name, signer=signer, model=lm.model)
     print(out)
 
 
@@ -119,6 +125,10 @@ def respond_cmd(
     max_new_tokens: int = typer.Option(48, help="tokens the receiver may write (it stops earlier at its end token)"),
     json_path: Path = typer.Option(None, "--json", help="write the result as JSON ('-': stdout)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    verify: int = typer.Option(None, "--verify", help="recompute K positions of the payload (and layer 0 of all) "
+                               "from its own token ids first; refuse it if they differ (docs/trust.md)"),
+    keys_file: Path = typer.Option(None, help="require a signature by one of these keys (kvrelay.kv.sign key lines; "
+                                   "default $KVRELAY_KEYS when set)"),
 ) -> None:
     """The receiver's half of `kvrelay relay`: answer from a relayed payload (file or store key)."""
     from kvrelay.workflows.spec import LAYOUTS
@@ -131,18 +141,27 @@ def respond_cmd(
     v.positive(max_new_tokens, "--max-new-tokens")
     v.engine(engine)
     v.model(model)
+    v.positive(verify, "--verify", 2)
     _store_url(store)
+    from kvrelay.kv.sign import keyring_from
+
+    keys = keyring_from(keys_file)
     data = _map(payload) if payload is not None else None
 
     from kvrelay.agents.agent import Agent
+    from kvrelay.agents.verify import VerifySpec
     from kvrelay.cli.common import load_for_cli
+    from kvrelay.kv.wire import read_meta
     from kvrelay.transport.payloads import decode_bytes
-    from kvrelay.transport.stores import get_payload, open_store
+    from kvrelay.transport.stores import open_store
 
     lm = load_for_cli(model, None, engine)
-    p = decode_bytes(data, expect=lm.identity) if data is not None else get_payload(open_store(store), key,
-                                                                                   expect=lm.identity)
-    r = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens).respond(question, p, layout=layout)
+    if data is None:
+        data = open_store(store).get_bytes(key)
+    p = decode_bytes(data, expect=lm.identity, keys=keys)
+    spec = VerifySpec(k=verify, codec=read_meta(data).get("codec", "raw")) if verify is not None else None
+    r = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens, verify=spec).respond(question, p,
+                                                                                           layout=layout)
     note(f"{p.num_tokens} relayed tokens, TTFT {r.ttft_s:.3f}s")
     print(r.text)
     _write_json(json_path, {"model": model, "engine": lm.engine, "layout": layout, "answer": r.text,

@@ -134,6 +134,15 @@ class BadSignature(PayloadError):
                          "one of the receiver's keys over the payload as it was written")
 
 
+class TamperedPayload(PayloadError):
+    """Verification recomputed part of the payload from its own tokens and it is not what the model computes."""
+
+    def __init__(self, producer: str, verdict: str, reason: str):
+        self.producer, self.verdict, self.reason = producer, verdict, reason
+        super().__init__(f"payload from {producer!r} failed verification ({verdict}): {reason}; expected the K/V "
+                         "the receiver's model computes for the payload's token ids")
+
+
 class EdgeRefused(KVRelayError):
     """A workflow edge's relayed payload was refused by its receiver and the edge does not fall back to text."""
 

@@ -182,3 +182,20 @@ def selective_recompute(model, p: KVPayload, plan: RecomputePlan, *,
         cost += L * len(chosen) / (L * n)
     stats = RepairStats(plan.budget(L, n), full, chosen, round(cost, 6))
     return replace(p, keys=tuple(keys), values=tuple(values)), stats
+
+
+# -- the same passes, for a receiver that checks a payload instead of repairing it (agents.verify) --
+def check_recomputable(model, p: KVPayload) -> None:
+    """ValueError / IncompatiblePayload unless ``p`` is one unpadded full-attention row ``model`` can recompute."""
+    _check_recomputable(model, p, 0)
+
+
+def prefill_kv(model, p: KVPayload, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) (1, H_kv, T, D) per layer ``0..layers-1`` of ``model``'s own prefill of ``p``'s tokens."""
+    return _decoder_layers(model, p, layers)
+
+
+def chosen_kv(model, p: KVPayload, pick: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fresh (keys, values) (1, H_kv, k, D) per layer of slots ``pick`` (k,), increasing, computed in one
+    forward over ``p``'s cache (each chosen token attends to the relayed K/V before it)."""
+    return _chosen_pass(model, p, pick)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from kvrelay.agents.agent import Agent
+from kvrelay.agents.verify import VerifySpec
 from kvrelay.kv import codecs
 from kvrelay.kv.sign import Keyring
 from kvrelay.transport.stores import open_store
@@ -38,6 +40,12 @@ class Executor(Protocol):
 
     def release(self, handle: Any) -> None:
         """No later agent needs this payload: free it."""
+
+
+def _verify(wf: Workflow, name: str, codec: str) -> VerifySpec | None:
+    """The agent's verification, at the tolerance of the codec its payloads travel under."""
+    spec = wf.verify_for(name)
+    return None if spec is None else replace(spec, codec=codec)
 
 
 def run_key(run_id: str, agent: str) -> str:
@@ -71,7 +79,8 @@ class InProcessExecutor:
 
     def start(self, wf: Workflow) -> None:
         # Agents are set up before the clock starts: a deployed pipeline builds them once.
-        self.agents = {a.name: Agent(self.lm, a.name, a.role, max_new_tokens=a.max_new_tokens) for a in wf.agents}
+        self.agents = {a.name: Agent(self.lm, a.name, a.role, max_new_tokens=a.max_new_tokens,
+                                     verify=_verify(wf, a.name, self.codec)) for a in wf.agents}
         self.run_id = secrets.token_hex(6)
 
     def context_ids(self, agent: str, context: str) -> list[int]:

@@ -121,8 +121,10 @@ signed payloads. ``codec``: what senders encode payloads with (``kv.codecs``; de
     def start(self, wf: Workflow) -> None:
         if [a.name for a in wf.agents] != list(self.workers):
             raise ValueError(f"these workers run agents {list(self.workers)}, not {[a.name for a in wf.agents]}")
-        for w in self.workers.values():
-            w.call({"op": "reset"})
+        for name, w in self.workers.items():
+            spec = wf.verify_for(name)
+            w.call({"op": "reset", "verify": None if spec is None else
+                    {"k": spec.k, "full": spec.full, "seed": spec.seed, "codec": self.codec}})
         self.run_id = secrets.token_hex(6)
 
     def context_ids(self, agent: str, context: str) -> list[int]:

@@ -21,6 +21,9 @@ The *channel* of an edge says only how those tokens arrive:
 ``PayloadError``: corrupt, incompatible, stale, a missing round, expired, unsigned...) or the store
 lost it: ``stop`` (default) raises ``EdgeRefused`` naming the edge; ``text`` rebuilds the edge from
 text (the receiver re-encodes the same tokens) and the trace says so (``AgentRecord.fallback``).
+``verify = {k = 32}`` (also ``full = true``, ``seed = N``) makes the receiver recompute part of the
+relayed payload from its own token ids before using it (``agents.verify``); one that fails is
+``TamperedPayload``, refused like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from kvrelay.agents.verify import VerifySpec
 
 CHANNELS = ("text", "kv", "kv+text")
 LAYOUTS = ("continue", "replace")
@@ -58,8 +63,16 @@ class Edge:
     dst: str
     channel: str = "kv"
     on_refused: str = "stop"  # stop: EdgeRefused naming the edge; text: rebuild it from text (said in the trace)
+    verify: VerifySpec | None = None  # the receiver recomputes part of the relayed payload first (agents.verify)
 
     def __post_init__(self):
+        if isinstance(self.verify, dict):  # from TOML: verify = {k = 32}
+            unknown = set(self.verify) - {"k", "full", "seed"}
+            if unknown:
+                raise ValueError(f"edge {self.src}->{self.dst}: verify takes k, full and seed, not {sorted(unknown)}")
+            object.__setattr__(self, "verify", VerifySpec(**self.verify))
+        if self.verify is not None and not isinstance(self.verify, VerifySpec):
+            raise ValueError(f"edge {self.src}->{self.dst}: verify must be a table like {{k = 32}}, got {self.verify!r}")
         if self.channel not in CHANNELS:
             raise ValueError(f"edge {self.src}->{self.dst}: channel must be one of {CHANNELS}, got {self.channel!r}")
         if self.on_refused not in ON_REFUSED:
@@ -124,6 +137,10 @@ class Workflow:
     def incoming(self, name: str) -> tuple[Edge, ...]:
         return self._preds[name]
 
+    def verify_for(self, name: str) -> VerifySpec | None:
+        """How ``name`` verifies the payloads it receives: the first incoming edge's ``verify``, if any."""
+        return next((e.verify for e in self.incoming(name) if e.verify is not None), None)
+
     def outgoing(self, name: str) -> tuple[Edge, ...]:
         return tuple(e for e in self.edges if e.src == name)
 
@@ -153,6 +170,10 @@ class Workflow:
             lines += ["", "[[edges]]", f"src = {_q(e.src)}", f"dst = {_q(e.dst)}", f"channel = {_q(e.channel)}"]
             if e.on_refused != "stop":
                 lines.append(f"on_refused = {_q(e.on_refused)}")
+            if e.verify is not None:
+                v = e.verify
+                seed = f", seed = {v.seed}" if v.seed is not None else ""
+                lines.append(f"verify = {{k = {v.k}, full = {str(v.full).lower()}{seed}}}")
         return "\n".join(lines) + "\n"
 
     @classmethod

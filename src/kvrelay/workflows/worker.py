@@ -6,7 +6,8 @@ random model in every process) and opens the store itself: payloads never cross 
 their keys. With signing keys (``--keys-file``, else ``$KVRELAY_KEYS``; ``kv.sign``) it signs every
 payload it writes with its key for its own name and refuses any payload not signed by one of them. Requests and replies::
 
-    {"op": "reset"}                                   -> {"ok": true}          a fresh Agent (round 0)
+    {"op": "reset", "verify": null | {"k", "full", "seed", "codec"}}
+                                                      -> {"ok": true}          a fresh Agent (round 0)
     {"op": "context_ids", "context": STR}             -> {"ids": [int]}
     {"op": "turn", "prompt": STR, "base": [int], "cache": KEY | null, "layout": STR,
      "max_new_tokens": N, "min_new_tokens": N, "want_payload": BOOL, "out_key": KEY, "codec": NAME}
@@ -36,6 +37,7 @@ def _serve(args, send) -> None:
     import torch
 
     from kvrelay.agents.agent import Agent
+    from kvrelay.agents.verify import VerifySpec
     from kvrelay.kv.sign import keyring_from
     from kvrelay.models.loader import load_model
     from kvrelay.transport.stores import open_store
@@ -48,8 +50,9 @@ def _serve(args, send) -> None:
     keyring = keyring_from(args.keys_file)  # else $KVRELAY_KEYS; empty: nothing signed or asked for
     signer = keyring.signer(args.name)
 
-    def fresh() -> Agent:
-        return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens)
+    def fresh(verify: dict | None = None) -> Agent:
+        spec = VerifySpec(**verify) if verify else None
+        return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens, verify=spec)
 
     agent = fresh()
     send({"ready": True, "fingerprint": lm.identity.fingerprint, "pid": os.getpid()})
@@ -59,7 +62,7 @@ def _serve(args, send) -> None:
             if req["op"] == "quit":
                 return
             if req["op"] == "reset":
-                agent = fresh()
+                agent = fresh(req.get("verify"))
                 send({"ok": True})
             elif req["op"] == "context_ids":
                 send({"ids": agent.encode(agent.fmt.user(req["context"]))})
