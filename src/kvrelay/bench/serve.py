@@ -1,0 +1,290 @@
+"""``kvrelay bench serve``: multi-agent workflows through an OpenAI-compatible HTTP API, by N clients.
+
+A workflow is three agents over one audit task of the private regime (``audit.tasks.generate``:
+a facility log with one access code the last agent is asked for; the document reaches the first
+agent only). The reader reads the document and summarises it, the checker names the holders it
+gives codes for, the answerer answers the task's question; its answer is scored with the task's
+scorer (``audit.tasks.score``). ``clients`` threads take workflows from one list, so up to
+``clients`` workflows run at once, each agent's request after the previous one's answer.
+
+Strategies (``STRATEGIES``), all on the same tasks:
+
+* ``scheduler`` — ``model: "auto"`` (``serve.scheduler``) with ``kv_slo_s``; each agent passes the
+  previous agent's handle (``kv_context``) and sends only its own turn.
+* ``round_robin`` — models in turn, request by request, with handles (a handle from another
+  model falls back to text: the response says ``incompatible``).
+* ``always_smallest`` / ``always_largest`` — one model (by parameter count), with handles.
+* ``always_text`` — the largest model, no handles: each agent re-sends the whole conversation.
+* ``transformers_serve`` — ``transformers serve --continuous-batching`` on the largest model,
+  started by the benchmark on loopback, text hand-offs as in ``always_text``.
+* ``vllm``, ``vllm_prefix_arranged`` — vLLM's CPU build; reported as not run unless its optional
+  environment exists (``VLLM_PYTHON``).
+
+Per strategy: p50 / p99 end-to-end workflow latency, throughput (requests per second of the
+strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap.bca_ci``), and
+the 1-minute load average before and after. ``scheduler_dominated`` is true when another strategy
+that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvrelay.audit.bootstrap import bca_ci
+from kvrelay.audit.tasks import Task, generate, score
+from kvrelay.bench.quiet import load1, load_status
+from kvrelay.core.errors import InvalidInput, PeerUnavailable
+
+STRATEGIES = ("scheduler", "round_robin", "always_smallest", "always_largest", "always_text", "transformers_serve",
+              "vllm", "vllm_prefix_arranged")
+KVRELAY_STRATEGIES = STRATEGIES[:5]
+READER = "You are a careful reader. Read the document."
+TURNS = ("Summarize the document above in one sentence.",
+         "Which holders does the document give an access code for? Name two.")
+VLLM_PYTHON = Path(os.environ.get("KVRELAY_VLLM_PYTHON", Path.home() / ".cache/kvrelay/vllm-venv/bin/python"))
+PEER_START_S = 900  # a peer server may take this long to load its model on a loaded machine
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    models: tuple[str, ...]  # the kvrelay pool
+    workflows: int = 4  # per strategy
+    clients: int = 2
+    doc_tokens: int = 1024
+    max_tokens: int = 24  # per agent
+    slo_s: float = 60.0  # per request, for the scheduler
+    strategies: tuple[str, ...] = STRATEGIES
+    seed: int = 0
+    threads: int | None = None
+    engine: str = "fp32"
+
+    def __post_init__(self):
+        bad = [s for s in self.strategies if s not in STRATEGIES]
+        if bad:
+            raise InvalidInput(f"unknown strategies {', '.join(bad)}", f"some of {', '.join(STRATEGIES)}")
+        if self.workflows < 1 or self.clients < 1 or self.doc_tokens < 64 or self.max_tokens < 1 or self.slo_s <= 0:
+            raise InvalidInput("--workflows, --clients, --doc-tokens, --max-tokens or --slo out of range",
+                               "workflows, clients, max-tokens >= 1, doc-tokens >= 64, a positive SLO")
+
+
+# -- one workflow over HTTP ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a strategy's requests go: base URL, the model per request, and whether handles are used."""
+
+    url: str
+    model: Callable[[], str]
+    relay: bool
+    slo_s: float | None = None
+
+
+def _post(client, url: str, body: dict) -> dict:
+    r = client.post(url + "/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise PeerUnavailable(f"{url} answered {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
+    """The three agents of one workflow; a record with its latency, score and what each request did."""
+    turns = [f"{task.context}\n\n{TURNS[0]}", TURNS[1], task.prompt]
+    history = [{"role": "system", "content": READER}]
+    handle = None
+    steps = []
+    t0 = time.perf_counter()
+    for text in turns:
+        own = {"role": "user", "content": text}
+        body = {"model": route.model(), "max_tokens": max_tokens, "temperature": 0}
+        if route.relay:
+            body["messages"] = ([] if handle else history[:1]) + [own]
+            if handle:
+                body["kv_context"] = [handle]
+            if route.slo_s is not None:
+                body["kv_slo_s"] = route.slo_s
+        else:
+            body["messages"] = history + [own]
+            body["kv_handle"] = False
+        t = time.perf_counter()
+        out = _post(client, route.url, body)
+        answer = out["choices"][0]["message"]["content"] or ""
+        ext = out.get("kvrelay") or {}
+        handle = ext.get("handle")
+        history += [own, {"role": "assistant", "content": answer}]
+        steps.append({"model": out.get("model", body["model"]), "s": time.perf_counter() - t,
+                      "prompt_tokens": out.get("usage", {}).get("prompt_tokens"),
+                      "relayed_tokens": ext.get("relayed_tokens", 0),
+                      "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])]})
+    return {"task": task.id, "e2e_s": time.perf_counter() - t0, "score": score(task, answer), "answer": answer,
+            "steps": steps}
+
+
+def run_strategy(route: Route, tasks: Sequence[Task], clients: int, max_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    with httpx.Client(timeout=None) as client, ThreadPoolExecutor(clients) as pool:
+        t0 = time.perf_counter()
+        records = list(pool.map(lambda t: run_one(client, route, t, max_tokens), tasks))
+        return records, time.perf_counter() - t0
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def summarize(name: str, records: Sequence[dict], wall_s: float, load: Sequence[float]) -> dict:
+    e2e = np.array([r["e2e_s"] for r in records])
+    ci = bca_ci([r["score"] for r in records], seed=0)
+    n_req = sum(len(r["steps"]) for r in records)
+    ctx = [c for r in records for s in r["steps"] for c in s["context"]]
+    return {"name": name, "run": True, "p50_s": float(np.percentile(e2e, 50)), "p99_s": float(np.percentile(e2e, 99)),
+            "throughput_rps": n_req / wall_s, "accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high,
+            "workflows": len(records), "requests": n_req, "wall_s": wall_s,
+            "relay_hits": ctx.count("kv"), "fallbacks": {k: ctx.count(k) for k in sorted(set(ctx) - {"kv"})},
+            "models_used": {m: sum(s["model"] == m for r in records for s in r["steps"])
+                            for m in sorted({s["model"] for r in records for s in r["steps"]})},
+            "load1_before": load[0], "load1_after": load[1]}
+
+
+def not_run(name: str, reason: str) -> dict:
+    return {"name": name, "run": False, "reason": reason, "p50_s": None, "p99_s": None, "throughput_rps": None,
+            "accuracy": None, "ci_low": None, "ci_high": None}
+
+
+def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
+    """Whether another strategy that ran is at least as fast (p50) and as accurate, and better in one."""
+    me = next((r for r in rows if r["name"] == who and r["run"]), None)
+    if me is None:
+        return False
+    for r in rows:
+        if r["name"] == who or not r["run"]:
+            continue
+        if r["p50_s"] <= me["p50_s"] and r["accuracy"] >= me["accuracy"] and \
+                (r["p50_s"] < me["p50_s"] or r["accuracy"] > me["accuracy"]):
+            return True
+    return False
+
+
+# -- peers -----------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TransformersServe:
+    """``transformers serve --continuous-batching`` on a model folder, on loopback, for the block."""
+
+    def __init__(self, folder: Path, threads: int | None):
+        self.folder, self.threads = folder, threads
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+
+        exe = Path(sys.executable).with_name("transformers")
+        env = os.environ | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})
+        self.proc = subprocess.Popen([str(exe), "serve", str(self.folder), "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--device", "cpu", "--dtype", "float32",
+                                      "--continuous-batching", "--log-level", "warning"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + PEER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PeerUnavailable(f"transformers serve exited {self.proc.returncode}: "
+                                      f"{(self.proc.stderr.read() or '')[-400:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.__exit__()
+        raise PeerUnavailable(f"transformers serve did not answer within {PEER_START_S} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def model_folder(name: str) -> Path | None:
+    """The transformers folder of a zoo model or a model folder (what a peer server loads); None otherwise."""
+    from kvrelay.core.paths import home
+
+    for p in (home() / "models" / name / "hf", Path(name).expanduser()):
+        if (p / "config.json").is_file():
+            return p
+    return None
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = lambda s: None) -> dict:
+    from kvrelay.serve.server import Gateway, ServeConfig
+
+    tasks = generate(config.workflows, config.seed, doc_tokens=config.doc_tokens)
+    rows: dict[str, dict] = {}
+    serve_cfg = ServeConfig(models=config.models, port=0, store="memory://bench-serve", max_tokens=config.max_tokens,
+                            limit_max_tokens=max(config.max_tokens, 2048), threads=config.threads,
+                            engine=config.engine, slo_s=config.slo_s)
+    wanted = [s for s in KVRELAY_STRATEGIES if s in config.strategies]
+    gateway = Gateway(serve_cfg)
+    with gateway as url:
+        pool = gateway.scheduler.pool
+        by_size = sorted(pool.models, key=lambda m: pool.replicas[m][0].params)
+        small, large = by_size[0], by_size[-1]
+        turn = itertools.cycle(pool.models)
+        lock = threading.Lock()
+
+        def rr() -> str:
+            with lock:
+                return next(turn)
+
+        routes = {"scheduler": Route(url, lambda: "auto", True, config.slo_s), "round_robin": Route(url, rr, True),
+                  "always_smallest": Route(url, lambda: small, True), "always_largest": Route(url, lambda: large, True),
+                  "always_text": Route(url, lambda: large, False)}
+        for name in wanted:
+            progress(f"{name}: {config.workflows} workflows, {config.clients} clients")
+            before = load1()
+            records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens)
+            rows[name] = summarize(name, records, wall, (before, load1())) | {"records": records}
+    if "transformers_serve" in config.strategies:
+        folder = model_folder(large)
+        if folder is None:
+            rows["transformers_serve"] = not_run("transformers_serve", f"{large} is not a model folder")
+        else:
+            progress(f"transformers_serve: starting it on {large}")
+            try:
+                with TransformersServe(folder, config.threads) as peer_url:
+                    before = load1()
+                    records, wall = run_strategy(Route(peer_url, lambda: str(folder), False), tasks, config.clients,
+                                                 config.max_tokens)
+                    rows["transformers_serve"] = summarize("transformers_serve", records, wall, (before, load1())) | \
+                        {"records": records, "model": large}
+            except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
+                rows["transformers_serve"] = not_run("transformers_serve", str(err))
+    for name in ("vllm", "vllm_prefix_arranged"):
+        if name in config.strategies:
+            rows[name] = not_run(name, f"vLLM's CPU build is an optional peer; no environment at {VLLM_PYTHON}"
+                                 if not VLLM_PYTHON.exists() else "the vLLM strategies are not implemented yet")
+    ordered = [rows[s] for s in STRATEGIES if s in rows]
+    loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
+    return {"strategies": ordered, "scheduler_dominated": dominated(ordered),
+            "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
+            "clients": config.clients, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
+            "slo_s": config.slo_s, "seed": config.seed, "task_set": "gen (private regime)",
+            "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

@@ -1,0 +1,74 @@
+"""``kvrelay bench serve`` (mounted under ``bench`` by the root CLI): workflows through the HTTP API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvrelay.cli import validate as v
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, command_line, note, write_json
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
+console = Console(width=None if Console().is_terminal else 160)
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_result(res: dict) -> None:
+    t = Table(title=f"bench serve — {res['workflows']} workflows x 3 agents, {res['clients']} clients, "
+                    f"~{res['doc_tokens']} document tokens (load: {(res['load_average'] or {}).get('status', '-')})")
+    for c in ("strategy", "p50 s", "p99 s", "req/s", "accuracy", "95% CI", "relay hits", "fallbacks", "note"):
+        t.add_column(c, justify="left" if c in ("strategy", "fallbacks", "note") else "right")
+    for r in res["strategies"]:
+        ci = f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]" if r["run"] else "-"
+        fb = ", ".join(f"{k} {n}" for k, n in r.get("fallbacks", {}).items()) or "-"
+        t.add_row(r["name"], _fmt(r["p50_s"]), _fmt(r["p99_s"]), _fmt(r["throughput_rps"], ".3f"),
+                  _fmt(r["accuracy"]), ci, str(r.get("relay_hits", "-")), fb, r.get("reason", ""))
+    console.print(t)
+    console.print(f"scheduler dominated: {res['scheduler_dominated']}")
+
+
+@app.command("serve")
+def bench_serve_cmd(
+    models: str = typer.Option("smollm2-135m,qwen2.5-coder-0.5b", help="the kvrelay pool (comma-separated)"),
+    workflows: int = typer.Option(4, help="workflows per strategy (each: reader -> checker -> answerer)"),
+    clients: int = typer.Option(2, help="concurrent clients"),
+    doc_tokens: int = typer.Option(1024, help="document length of each task (tokens, approximate)"),
+    max_tokens: int = typer.Option(24, help="max_tokens of every agent's request"),
+    slo: float = typer.Option(60.0, help="the scheduler's per-request latency target (kv_slo_s), seconds"),
+    strategies: str = typer.Option(",".join(("scheduler", "round_robin", "always_smallest", "always_largest",
+                                             "always_text", "transformers_serve", "vllm", "vllm_prefix_arranged")),
+                                   help="which strategies to run (comma-separated)"),
+    seed: int = typer.Option(0, help="task seed"),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    json_path: Path = typer.Option(None, "--json", help="write the result as JSON"),
+):
+    """The scheduler against fixed routings, text hand-offs and transformers serve, on the same workflows."""
+    from kvrelay.bench.serve import STRATEGIES, ServeBenchConfig, bench_serve
+
+    names = v.csv(models, "--models", "smollm2-135m,qwen2.5-coder-0.5b")
+    for n in names:
+        v.model(n, "--models")
+    chosen = v.names(strategies, "--strategies", STRATEGIES, "scheduler,always_text")
+    v.positive(workflows, "--workflows")
+    v.positive(clients, "--clients")
+    v.positive(doc_tokens, "--doc-tokens", minimum=64)
+    v.positive(max_tokens, "--max-tokens")
+    v.positive(threads, "--threads")
+    v.engine(engine)
+    v.writable_path(json_path, "--json")
+    if slo <= 0:
+        raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
+    cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
+                           max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
+                           engine=engine)
+    res = bench_serve(cfg, progress=note)
+    res["command"] = command_line()
+    print_result(res)
+    write_json(json_path, res)

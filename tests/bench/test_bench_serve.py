@@ -1,0 +1,72 @@
+"""``bench serve`` on two tiny models: every kvrelay strategy runs the same workflows through the
+HTTP API; relay with the largest model writes what re-sending the text writes; round-robin's handles
+cross models and fall back; the JSON contract; the domination rule."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from kvrelay.bench.serve import KVRELAY_STRATEGIES, STRATEGIES, ServeBenchConfig, bench_serve, dominated  # noqa: E402
+
+FIELDS = {"name", "p50_s", "p99_s", "throughput_rps", "accuracy", "ci_low", "ci_high"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = ServeBenchConfig(models=("tiny:qwen2", "tiny:llama"), workflows=3, clients=2, doc_tokens=96, max_tokens=6,
+                           slo_s=30.0, strategies=KVRELAY_STRATEGIES + ("vllm", "vllm_prefix_arranged"))
+    return bench_serve(cfg)
+
+
+def test_every_strategy_reports_the_contract(result):
+    rows = {r["name"]: r for r in result["strategies"]}
+    assert list(rows) == [s for s in STRATEGIES if s != "transformers_serve"]
+    for name in KVRELAY_STRATEGIES:
+        r = rows[name]
+        assert FIELDS <= set(r) and r["run"] and r["workflows"] == 3 and r["requests"] == 9
+        assert 0 < r["p50_s"] <= r["p99_s"] and r["throughput_rps"] > 0 and 0 <= r["accuracy"] <= 1
+    for name in ("vllm", "vllm_prefix_arranged"):
+        assert not rows[name]["run"] and rows[name]["reason"] and rows[name]["p50_s"] is None
+    assert isinstance(result["scheduler_dominated"], bool)
+    assert result["load_average"]["status"] in ("quiet", "loaded")
+
+
+def test_relay_writes_what_the_text_re_send_writes(result):
+    rows = {r["name"]: r for r in result["strategies"]}
+    relay, text = rows["always_largest"], rows["always_text"]
+    assert relay["relay_hits"] == 6 and not relay["fallbacks"]  # agents 2 and 3 of every workflow continued
+    assert text["relay_hits"] == 0
+    assert [r["answer"] for r in relay["records"]] == [r["answer"] for r in text["records"]]
+    # and every agent attended to the same conversation, however it arrived
+    assert [[s["prompt_tokens"] for s in r["steps"]] for r in relay["records"]] == \
+        [[s["prompt_tokens"] for s in r["steps"]] for r in text["records"]]
+    assert all(s["relayed_tokens"] > 0 for r in relay["records"] for s in r["steps"][1:])
+
+
+def test_round_robin_hands_caches_across_models_and_falls_back(result):
+    rr = next(r for r in result["strategies"] if r["name"] == "round_robin")
+    assert rr["fallbacks"].get("incompatible", 0) > 0
+    assert set(rr["models_used"]) == {"tiny:qwen2", "tiny:llama"}
+
+
+def test_domination_needs_no_worse_on_both_and_better_on_one():
+    def row(name, p50, acc):
+        return {"name": name, "run": True, "p50_s": p50, "accuracy": acc}
+
+    me = row("scheduler", 2.0, 0.5)
+    assert not dominated([me, row("a", 2.0, 0.5), row("b", 1.0, 0.4), row("c", 3.0, 0.9)])
+    assert dominated([me, row("a", 1.9, 0.5)])
+    assert dominated([me, row("a", 2.0, 0.6)])
+    assert not dominated([me, {"name": "vllm", "run": False, "p50_s": None, "accuracy": None}])
+
+
+def test_cli_default_strategies_are_the_library_list():
+    from typer.main import get_command
+
+    from kvrelay.cli import app
+
+    cmd = get_command(app).commands["bench"].commands["serve"]
+    default = next(p.default for p in cmd.params if p.name == "strategies")
+    assert tuple(default.split(",")) == STRATEGIES
