@@ -143,6 +143,16 @@ class TamperedPayload(PayloadError):
                          "the receiver's model computes for the payload's token ids")
 
 
+class OverBudget(KVRelayError):
+    """A payload does not fit a store's byte budget under its policy (``transport.budget``)."""
+
+    def __init__(self, where: str, nbytes: int, held: int, limit: int, policy: str):
+        self.where, self.nbytes, self.held, self.limit, self.policy = where, nbytes, held, limit, policy
+        super().__init__(f"{where or 'store'}: a payload of {nbytes} bytes does not fit the byte budget of {limit} "
+                         f"({held} held, policy {policy}); expected a payload of at most the free bytes, or an "
+                         "evicting policy (oldest, lru)")
+
+
 class EdgeRefused(KVRelayError):
     """A workflow edge's relayed payload was refused by its receiver and the edge does not fall back to text."""
 

@@ -10,7 +10,8 @@ prefix (``prefix_payload`` does it with ``select_tokens``) and prefills only the
 
 A store is named by a URL, so another process (or machine) can open the same one::
 
-    memory://[NAME]          this process only (one store per NAME)
+    memory://[NAME]          this process only (one store per NAME); ?max_bytes=N&evict=refuse|oldest|lru
+                             bounds what it holds (``transport.budget``)
     file:///ABS/DIR          a folder (a plain directory path works too); shared by processes on a machine
     redis://HOST:PORT/DB     a Redis server (``?namespace=NS`` keeps several stores apart on one server);
                              redis://USER:PASSWORD@HOST:PORT/DB for an ACL user, rediss://... for TLS
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 from kvrelay.core.errors import PayloadNotFound, UnknownStore
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
+from kvrelay.transport.budget import POLICIES, ByteBudget
 from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.disk import DiskStore
 from kvrelay.transport.keys import Tokens
@@ -50,8 +52,13 @@ def open_store(url: str | os.PathLike) -> MemoryStore | DiskStore | RedisStore:
     parts = urlsplit(s)
     if parts.scheme == "memory":
         name = parts.netloc + parts.path
+        budget = _memory_budget(s, parts.query)
         with _memory_lock:
-            return _memory.setdefault(name, MemoryStore(name))
+            if name not in _memory:
+                _memory[name] = MemoryStore(name, budget=budget)
+            elif budget is not None and _memory[name].budget != budget:
+                raise UnknownStore(f"{s!r}: memory store {name!r} is open already with another byte budget")
+            return _memory[name]
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise UnknownStore(f"{s!r}: a file store URL names an absolute folder, file:///ABS/DIR")
@@ -59,6 +66,23 @@ def open_store(url: str | os.PathLike) -> MemoryStore | DiskStore | RedisStore:
     if parts.scheme in ("redis", "rediss", "unix"):
         return RedisStore(s)
     raise UnknownStore(f"unknown store URL {s!r}; expected one of {', '.join(STORE_URLS)}")
+
+
+def _memory_budget(url: str, query: str) -> ByteBudget | None:
+    """``?max_bytes=N[&evict=refuse|oldest|lru]`` of a memory store URL (no query: no budget)."""
+    from urllib.parse import parse_qs
+
+    q = parse_qs(query)
+    if not q:
+        return None
+    unknown = set(q) - {"max_bytes", "evict"}
+    if unknown or "max_bytes" not in q:
+        raise UnknownStore(f"{url!r}: a memory store takes ?max_bytes=N[&evict={'|'.join(POLICIES)}], "
+                           f"not {sorted(q)}")
+    try:
+        return ByteBudget(int(q["max_bytes"][-1]), q.get("evict", ["refuse"])[-1])
+    except ValueError as e:
+        raise UnknownStore(f"{url!r}: {e}") from None
 
 
 def prefix_payload(store: ByteStore, fingerprint: str, token_ids: Tokens) -> KVPayload | None:
