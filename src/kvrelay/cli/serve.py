@@ -27,7 +27,11 @@ def serve_cmd(
                                      "per run, so handles do not outlive the server)"),
     slo: float = typer.Option(None, help="latency target in seconds for requests to model \"auto\" that give no "
                               "kv_slo_s: the scheduler picks the most accurate model predicted to meet it"),
-    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
+    ray: bool = typer.Option(False, "--ray", help="run each replica as a Ray actor (its own model copy) on a local "
+                             "Ray cluster, or on --ray-address; the store must be redis:// or file://"),
+    ray_address: str = typer.Option(None, help="an existing Ray cluster to use with --ray (auto, ray://HOST:10001)"),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core; with --ray: "
+                                "per actor, default 1)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
 ):
     """Serve models over an OpenAI-compatible API whose answers return context handles (relayed KV caches)."""
@@ -47,6 +51,10 @@ def serve_cmd(
         raise v.InvalidInput(f"--port {port}", "a TCP port in 0..65535")
     if secret_file is not None:
         v.existing_file(secret_file, "--secret-file")
+    if ray_address is not None and not ray:
+        raise v.InvalidInput("--ray-address without --ray", "--ray --ray-address ADDRESS")
+    if ray and store is not None and store.startswith("memory://"):
+        raise v.InvalidInput(f"--store {store} with --ray", "a store every actor reaches: redis:// or file:///DIR")
     if store is not None:
         from kvrelay.transport.stores import open_store
 
@@ -58,5 +66,6 @@ def serve_cmd(
         quiet_libraries()
     config = ServeConfig(models=names, host=host, port=port, store=store, replicas=replicas,
                          handle_ttl_s=handle_ttl, max_tokens=max_tokens, limit_max_tokens=limit_max_tokens,
-                         engine=engine, threads=threads, secret_file=secret_file, slo_s=slo)
+                         engine=engine, threads=threads, secret_file=secret_file, slo_s=slo, ray=ray,
+                         ray_address=ray_address)
     Gateway(config).run(on_ready=lambda url: err_console.print(f"kvrelay serve: {url}/v1 ({', '.join(names)})"))

@@ -137,11 +137,12 @@ class Replica:
             return self._q.qsize() + self._busy
 
     def submit(self, req: ChatRequest, opened: Sequence[handles.Opened],
-               on_text: Callable[[str], None] | None = None) -> Future:
+               on_text: Callable[[str], None] | None = None, *, arrived: float | None = None) -> Future:
         """Queue a request; the future resolves to a ``Result``. ``on_text`` receives the answer in pieces
-        (from the worker thread) before the future resolves."""
+        (from the worker thread) before the future resolves. ``arrived``: when it reached the server
+        (``time.perf_counter``), if earlier than now."""
         fut: Future = Future()
-        self._q.put(Job(req, opened, fut, on_text, time.perf_counter()))
+        self._q.put(Job(req, opened, fut, on_text, time.perf_counter() if arrived is None else arrived))
         return fut
 
     def close(self, timeout: float | None = None) -> None:

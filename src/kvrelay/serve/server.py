@@ -9,6 +9,7 @@ SIGINT / SIGTERM stop accepting connections, let open requests finish (at most
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -40,6 +41,8 @@ class ServeConfig:
     graceful_s: float = 30.0
     slo_s: float | None = None  # the scheduler's latency target for requests that give no kv_slo_s
     quality: tuple[tuple[str, float], ...] = ()  # measured accuracy per model for the scheduler (else size)
+    ray: bool = False  # one Ray actor per replica (serve.ray_pool) instead of threads in this process
+    ray_address: str | None = None  # an existing cluster ("auto", "ray://HOST:10001"); None: a local one
 
     def __post_init__(self):
         if not self.models:
@@ -68,6 +71,11 @@ def read_secret(path: Path | None) -> bytes:
 
 
 def load_pool(config: ServeConfig, store, secret: bytes) -> Pool:
+    if config.ray:
+        from kvrelay.serve.ray_pool import ray_pool
+
+        return ray_pool(config.models, store.url, secret, replicas=config.replicas, engine=config.engine,
+                        handle_ttl_s=config.handle_ttl_s, threads=config.threads or 1)
     import torch
 
     from kvrelay.models.loader import load_model
@@ -103,6 +111,16 @@ class Gateway:
         if store is None:
             url = c.store or self._stack.enter_context(RedisServer()).url
             store = open_store(url)
+        if c.ray and self._pool is None:
+            import ray
+
+            if not ray.is_initialized():
+                if c.ray_address:
+                    ray.init(address=c.ray_address, log_to_driver=False)
+                else:
+                    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                             configure_logging=False)
+                self._stack.callback(ray.shutdown)
         pool = self._pool if self._pool is not None else load_pool(c, store, secret)
         from kvrelay.serve.scheduler import Scheduler
 
