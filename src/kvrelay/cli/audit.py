@@ -2,6 +2,7 @@
 
     kvrelay audit --preset quick --model qwen2.5-coder-0.5b --out out/audit
     kvrelay audit report out/audit        # rebuild summary.json / report.* from records.jsonl
+    kvrelay audit --workflow wf.toml --edge a->b --inputs in.jsonl --score contains --out out/edge
 """
 
 from __future__ import annotations
@@ -138,9 +139,20 @@ def audit(
     out: Path = typer.Option(Path("out/audit"), help="output folder (re-running resumes)"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    workflow: Path = typer.Option(None, help="audit one edge of this workflow TOML (docs/workflows.md) instead of "
+                                  "task sets: needs --edge, --inputs and --score"),
+    edge: str = typer.Option(None, help="with --workflow: the edge SENDER->RECEIVER the arms are applied on"),
+    inputs: Path = typer.Option(None, help='with --workflow: JSONL, one {"context": ..., "reference": ...} per line'),
+    score: str = typer.Option(None, help="with --workflow: how the final answer is scored against the reference: "
+                              "exact, contains, f1 or python:MODULE:FUNC"),
+    regime: str = typer.Option("private", help="with --workflow: private (the receiver sees the context only "
+                               "through the edge) or shared (its own prompt holds it too): which verdict applies"),
 ):
     """Run the audit into OUT: records.jsonl, summary.json, report.md, report.html."""
     if ctx.invoked_subcommand is not None:
+        return
+    if workflow is not None or edge is not None or inputs is not None or score is not None:
+        _audit_edge(workflow, edge, inputs, score, regime, model, arms, seeds, tasks, out, threads, engine)
         return
     cfg = check_config(preset_name, model, tasks, arms, seeds, limit, batch_size)
     v.output_folder(out)
@@ -152,6 +164,47 @@ def audit(
     res = finalize(out, margin=cfg.margin, n_boot=cfg.n_boot)
     _print_headline(res["summary"])
     console.print(f"audit took {elapsed / 60:.1f} min; report: {out / 'report.html'}")
+
+
+def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, score: str | None, regime: str,
+                model: str | None, arms: str | None, seeds: str | None, tasks: str | None, out: Path,
+                threads: int | None, engine: str) -> None:
+    """``--workflow``: the audit of one edge (``kvrelay.audit.edge``), checked before the model loads."""
+    from kvrelay.audit.edge import EDGE_ARMS, check_arms, load_inputs, parse_edge, run_edge_audit, scorer
+    from kvrelay.audit.vocab import PLAIN_ARMS, REGIMES, parse_arm
+    from kvrelay.workflows.spec import Workflow
+
+    for flag, value in (("--workflow", workflow), ("--edge", edge), ("--inputs", inputs), ("--score", score)):
+        if value is None:
+            raise v.InvalidInput(f"{flag} is missing", "--workflow FILE.toml --edge SENDER->RECEIVER --inputs "
+                                 "FILE.jsonl --score exact|contains|f1|python:MODULE:FUNC, all four")
+    if tasks is not None:
+        raise v.InvalidInput("--tasks with --workflow", "either task sets (--tasks) or a workflow edge (--workflow)")
+    v.existing_file(workflow, "--workflow", "a workflow TOML (docs/workflows.md)")
+    try:
+        wf = Workflow.load(workflow)
+    except (ValueError, TypeError) as err:
+        raise v.InvalidInput(f"--workflow {workflow}: {v.one_line(err)}", "a workflow TOML (docs/workflows.md)") \
+            from None
+    parse_edge(wf, edge)
+    rows = load_inputs(v.existing_file(inputs, "--inputs", "a JSONL file"))
+    scorer(score)
+    v.choice(regime, "--regime", REGIMES)
+    arm_names = EDGE_ARMS if arms is None else check_arms(
+        v.parsed_names(arms, "--arms", parse_arm, f"arm names from {arm_help()} (docs/audit.md)", known=PLAIN_ARMS))
+    seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else (0,)
+    name = model or "qwen2.5-coder-0.5b"
+    v.model(name)
+    v.output_folder(out)
+    v.positive(threads, "--threads")
+    v.engine(engine)
+    lm = load_for_cli(name, threads, engine)
+    with output_dir(out), progress_bar(desc=f"audit {edge}", unit="trial",
+                                       total=len(rows) * len(arm_names) * len(seed_list)) as bar:
+        summary = run_edge_audit(wf, edge, rows, score, out, lm, arms=arm_names, seeds=seed_list, regime=regime,
+                                 progress=bar.update, command=command_line())
+    _print_headline(summary)
+    console.print(f"report: {out / 'report.html'}")
 
 
 def _run(cfg: AuditConfig, lm, out: Path) -> float:

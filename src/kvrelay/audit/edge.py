@@ -1,0 +1,329 @@
+"""The audit of one edge of a user's workflow: ``kvrelay audit --workflow FILE.toml --edge SENDER->RECEIVER``.
+
+Each input line (``{"context": ..., "reference": ...}``, ``reference`` a string or a list of them; an
+optional ``id``) runs the workflow of ``workflows.spec`` over its context once per arm. The arm
+decides only what RECEIVER gets from SENDER; every other agent runs as written:
+
+* ``kv`` — SENDER's whole-turn cache (the edge is run as a ``kv`` edge whatever the file says);
+* ``text_full`` — SENDER's whole turn re-encoded (the text channel: the same tokens);
+* ``none`` — nothing from SENDER: RECEIVER reads its own turn only;
+* ``kv_mismatched`` — SENDER's whole-turn cache of another input (the next one in run order, by context
+  length), cut or extended to exactly the matched cache's length, so position and presence are equal;
+* ``kv_zeroed``, ``kv_random``, ``kv_noise:σ``, ``kv_layers:SPEC``, ``kv_tokens:…``, ``kv_codec:NAME``
+  — the matched cache through the same transforms and codecs as the task-set audit (``audit.arms``).
+
+The workflow's final answer (its last agent's) is scored against the reference with ``--score``
+(``exact``, ``contains``, ``f1`` from ``audit.tasks.scoring``, or ``python:MODULE:FUNC``, a function
+``(answer, references) -> float in [0, 1]``). Agents before RECEIVER run once per input (greedy, so
+every arm sees the same upstream turns); an arm whose input does not depend on the seed runs once and
+is recorded for each seed. Records have the task-set audit's fields with ``task`` = the edge name, so
+``report.rebuild`` gives the same statistics, verdict and HTML report. ``latency_s``, ``prefill_tokens``
+and ``relay_bytes`` are RECEIVER's (the arm's transform + its cache build, prefill and decode).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvrelay.audit.arms import build_kv, parse_arm
+from kvrelay.audit.partners import mismatch_partners
+from kvrelay.audit.tasks import scoring
+from kvrelay.audit.vocab import ADAPTER_ARMS, REGIMES, VARIANT_ARMS
+from kvrelay.core.errors import InvalidInput
+from kvrelay.kv.payload import KVPayload
+from kvrelay.workflows.executors import InProcessExecutor
+from kvrelay.workflows.run import run_workflow
+from kvrelay.workflows.spec import Workflow
+
+EDGE_ARMS = ("none", "text_full", "kv", "kv_mismatched", "kv_zeroed")  # the default arms
+SCORES = {"exact": scoring.exact_match, "contains": scoring.contains, "f1": scoring.token_f1}
+REFUSED_ARMS = ("text_message", *ADAPTER_ARMS, *VARIANT_ARMS)  # need a second sender; not on a workflow edge
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeInput:
+    id: str
+    context: str
+    references: tuple[str, ...]
+
+    def __post_init__(self):
+        if not self.context.strip():
+            raise ValueError(f"input {self.id}: empty context")
+        if not self.references or not all(isinstance(r, str) and r.strip() for r in self.references):
+            raise ValueError(f"input {self.id}: reference must be a non-empty string or list of strings")
+
+
+def load_inputs(path: Path | str) -> list[EdgeInput]:
+    """The inputs of a JSONL file; ``InvalidInput`` naming the line that is not ``{"context", "reference"}``."""
+    from kvrelay.core.jsonl import read_json_lines
+
+    try:
+        rows = read_json_lines(path)
+    except (OSError, ValueError) as err:
+        raise InvalidInput(f"--inputs {path}: {err}", 'one JSON object per line: {"context": ..., "reference": ...}') \
+            from None
+    out = []
+    for i, row in enumerate(rows, 1):
+        ref = row.get("reference")
+        refs = (ref,) if isinstance(ref, str) else tuple(ref) if isinstance(ref, list) else ()
+        try:
+            if not isinstance(row.get("context"), str):
+                raise ValueError("no string 'context'")
+            out.append(EdgeInput(str(row.get("id", i)), row["context"], refs))
+        except ValueError as err:
+            raise InvalidInput(f"--inputs {path}:{i}: {err}", '{"context": "...", "reference": "..." or [...]}') \
+                from None
+    if len(out) < 2:
+        raise InvalidInput(f"--inputs {path} holds {len(out)} input(s)", "at least 2 (kv_mismatched pairs each "
+                           "input with another)")
+    if len({x.id for x in out}) != len(out):
+        raise InvalidInput(f"--inputs {path}: ids repeat", "a distinct id per line (or none: line numbers)")
+    return out
+
+
+def parse_edge(wf: Workflow, edge: str) -> tuple[str, str]:
+    """``"SENDER->RECEIVER"`` -> (sender, receiver), an edge of ``wf`` whose receiver has that one sender."""
+    src, sep, dst = edge.partition("->")
+    names = [a.name for a in wf.agents]
+    if not sep or not src or not dst:
+        raise InvalidInput(f"--edge {edge!r}", "SENDER->RECEIVER, two agent names of the workflow")
+    ins = wf.incoming(dst) if dst in names else ()
+    if not any(e.src == src for e in ins):
+        have = ", ".join(f"{e.src}->{e.dst}" for e in wf.edges) or "none"
+        raise InvalidInput(f"--edge {edge!r} is not an edge of workflow {wf.name!r}", f"one of: {have}")
+    if len(ins) > 1:
+        raise InvalidInput(f"--edge {edge!r}: {dst} reads several senders (a fan-in)",
+                           "an edge whose receiver has one sender (its whole turn is what the arms replace)")
+    return src, dst
+
+
+def scorer(spec: str) -> Callable[[str, Sequence[str]], float]:
+    """``exact`` | ``contains`` | ``f1`` | ``python:MODULE:FUNC`` -> ``score(answer, references)``."""
+    if spec in SCORES:
+        return SCORES[spec]
+    kind, _, rest = spec.partition(":")
+    module, _, func = rest.partition(":")
+    if kind != "python" or not module or not func:
+        raise InvalidInput(f"--score {spec!r}", f"one of {', '.join(SCORES)} or python:MODULE:FUNC")
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as err:
+        raise InvalidInput(f"--score {spec!r}: {err}", "python:MODULE:FUNC naming an importable function") from None
+    return fn
+
+
+def check_arms(arms: Sequence[str]) -> tuple[str, ...]:
+    for a in arms:
+        arm = parse_arm(a)
+        if arm.base in REFUSED_ARMS:
+            raise InvalidInput(f"--arms {a!r} with --workflow", "arms the edge's own sender can make: "
+                               "none, text_full, kv, kv_mismatched, kv_zeroed, kv_random, kv_noise:S, "
+                               "kv_layers:SPEC, kv_tokens:…, kv_codec:NAME")
+    return tuple(arms)
+
+
+class _Stop(Exception):  # noqa: N818 - control flow: the prefix run has what it needs
+    pass
+
+
+class _EdgeExecutor:
+    """The in-process executor, with the receiver's input replaced by the current arm's and the agents
+    before it memoised per input (``prefix`` mode stops at the receiver, keeping what it would read)."""
+
+    def __init__(self, lm, receiver: str, before: set[str]):
+        self.inner = InProcessExecutor(lm)
+        self.receiver, self.before = receiver, before
+        self.memo: dict[str, object] = {}
+        self.arm: Callable[[KVPayload, list[int]], tuple[KVPayload | None, list[int]]] | None = None
+        self.seen: tuple[KVPayload, list[int]] | None = None
+
+    def start(self, wf: Workflow) -> None:
+        self.inner.start(wf)
+
+    def context_ids(self, agent: str, context: str) -> list[int]:
+        return self.inner.context_ids(agent, context)
+
+    def turn(self, agent, prompt, base, cache, **kw):
+        if agent in self.before:
+            if agent not in self.memo:
+                self.memo[agent] = self.inner.turn(agent, prompt, base, cache, **kw)
+            return self.memo[agent]
+        if agent == self.receiver:
+            if self.arm is None:
+                self.seen = (cache, list(base))
+                raise _Stop
+            cache, base = self.arm(cache, list(base))
+        return self.inner.turn(agent, prompt, base, cache, **kw)
+
+    def release(self, handle) -> None:
+        pass
+
+
+@dataclass
+class _Prefix:
+    """One input's run up to the receiver: what it reads from the sender, and the memoised turns."""
+
+    payload: KVPayload  # the sender's whole-turn cache
+    ids: list[int]  # the same tokens
+    memo: dict
+    sender_s: float
+
+
+class EdgeAudit:
+    """Runs every input under every arm and seed into ``out/records.jsonl`` (resumable, like ``AuditRunner``)."""
+
+    def __init__(self, wf: Workflow, edge: str, inputs: list[EdgeInput], score: str, arms: Sequence[str],
+                 seeds: Sequence[int], lm, out: Path | str, *, regime: str = "private", progress=None):
+        if regime not in REGIMES:
+            raise InvalidInput(f"--regime {regime!r}", f"one of {', '.join(REGIMES)}")
+        self.src, self.dst = parse_edge(wf, edge)
+        self.edge = f"{self.src}->{self.dst}"
+        # the edge runs as kv, so the sender always leaves its whole-turn cache for the arms to work from
+        self.wf = replace(wf, edges=tuple(replace(e, channel="kv") if (e.src, e.dst) == (self.src, self.dst) else e
+                                          for e in wf.edges))
+        self.inputs, self.score_spec, self.score = inputs, score, scorer(score)
+        self.arms = [parse_arm(a) for a in check_arms(arms)]
+        self.seeds, self.lm, self.out, self.regime = tuple(seeds), lm, Path(out), regime
+        self.progress = progress or (lambda n: None)
+        names = [a.name for a in wf.agents]
+        self.ex = _EdgeExecutor(lm, self.dst, set(names[:names.index(self.dst)]))
+        self._tail = None
+
+    # -- one input ---------------------------------------------------------------------------
+    def prefix(self, x: EdgeInput) -> _Prefix:
+        self.ex.memo, self.ex.arm = {}, None
+        t0 = time.perf_counter()
+        try:
+            run_workflow(self.ex, self.wf, x.context)
+        except _Stop:
+            pass
+        payload, ids = self.ex.seen
+        return _Prefix(payload, ids, dict(self.ex.memo), time.perf_counter() - t0)
+
+    def _end_marker(self) -> list[int]:
+        if self._tail is None:
+            agent = self.ex.inner.agents[self.src]
+            self._tail = agent.encode(agent.fmt.assistant_end)
+        return self._tail
+
+    def mismatched(self, mine: _Prefix, partner: _Prefix) -> KVPayload:
+        """The sender's cache of ``partner``'s whole turn cut or extended (repeating its body) to exactly
+        ``mine``'s length, ending with the end-of-turn marker as a whole turn does."""
+        tail = self._end_marker()
+        n = mine.payload.num_tokens
+        body = partner.ids[: len(partner.ids) - len(tail)] or partner.ids
+        want = max(n - len(tail), 1)
+        while len(body) < want:
+            body = body + body
+        ids = (body[:want] + tail)[:n]
+        agent = self.ex.inner.agents[self.src]
+        return replace(agent.prefill(ids), meta=mine.payload.meta)
+
+    def _arm_input(self, arm, pre: _Prefix, other: KVPayload | None, seed: int):
+        """(receiver cache or None, its base tokens, relay bytes, transform seconds) for ``arm``."""
+        t0 = time.perf_counter()
+        if arm.base == "none":
+            return None, [], 0, 0.0
+        if arm.base == "text_full":
+            agent = self.ex.inner.agents[self.src]
+            return None, pre.ids, len(agent.decode(pre.ids).encode()), 0.0
+        gen = torch.Generator().manual_seed(10_007 * seed + 17)
+        p, nbytes = build_kv(arm, pre.payload, other, gen, model=self.lm.model)
+        return p, p.token_ids[0].tolist(), nbytes, time.perf_counter() - t0
+
+    def run_arm(self, arm, x: EdgeInput, pre: _Prefix, other: KVPayload | None, seed: int) -> dict:
+        cache, base, nbytes, relay_s = self._arm_input(arm, pre, other, seed)
+        self.ex.memo = dict(pre.memo)
+        self.ex.arm = lambda _cache, _base: (cache, base)
+        trace = run_workflow(self.ex, self.wf, x.context)
+        rec = next(a for a in trace.agents if a.name == self.dst)
+        answer = trace.final_text
+        value = float(self.score(answer, list(x.references)))
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"--score {self.score_spec} returned {value} for input {x.id}; expected a number in [0, 1]")
+        return {"task_id": f"{self.edge}/{x.id}", "task": self.edge, "regime": self.regime, "arm": arm.name,
+                "seed": seed, "covariates": {"context_tokens": pre.payload.num_tokens}, "answer": answer,
+                "gold": list(x.references), "score": value, "prefill_tokens": rec.prefill_tokens,
+                "relayed_tokens": rec.relayed_tokens, "relay_bytes": nbytes, "relay_s": relay_s,
+                "sender_s": pre.sender_s, "ttft_s": rec.relay_decode_s + rec.prefill_s, "decode_s": rec.decode_s,
+                "latency_s": relay_s + rec.relay_decode_s + rec.prefill_s + rec.decode_s, "batch": 1}
+
+    # -- the run -----------------------------------------------------------------------------
+    def order(self) -> list[int]:
+        return sorted(range(len(self.inputs)), key=lambda i: (len(self.inputs[i].context), i))
+
+    def total_trials(self) -> int:
+        return len(self.inputs) * len(self.arms) * len(self.seeds)
+
+    def run(self) -> Path:
+        from kvrelay.audit.runner import _records_done
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "records.jsonl"
+        done = _records_done(path)
+        order = self.order()
+        partners = mismatch_partners(order)
+        needs_other = any(a.needs_mismatch for a in self.arms)
+        cache: dict[int, _Prefix] = {}
+        with path.open("a") as f:
+            for i in order:
+                x = self.inputs[i]
+                todo = [(a, s) for a in self.arms for s in self.seeds
+                        if (f"{self.edge}/{x.id}", a.name, s) not in done]
+                if not todo:
+                    continue
+                pre = cache.pop(i, None) or self.prefix(x)
+                other = None
+                if needs_other:
+                    j = partners[i]
+                    cache[j] = cache.get(j) or self.prefix(self.inputs[j])
+                    other = self.mismatched(pre, cache[j])
+                memo: dict[str, dict] = {}
+                for arm, seed in todo:
+                    if not arm.stochastic and arm.name in memo:
+                        row = dict(memo[arm.name], seed=seed, reused=True)
+                    else:
+                        row = self.run_arm(arm, x, pre, other, seed)
+                        memo[arm.name] = row
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    self.progress(1)
+                for k in [k for k in cache if k != partners[i]]:  # keep only the next input's prefix
+                    del cache[k]
+        return path
+
+    def config(self) -> dict:
+        return {"workflow": self.wf.name, "edge": self.edge, "inputs": len(self.inputs), "score": self.score_spec,
+                "arms": [a.name for a in self.arms], "seeds": list(self.seeds), "regime": self.regime}
+
+
+def run_edge_audit(wf: Workflow, edge: str, inputs: list[EdgeInput], score: str, out: Path | str, lm, *,
+                   arms: Sequence[str] = EDGE_ARMS, seeds: Sequence[int] = (0,), regime: str = "private",
+                   margin: float = 2.8, n_boot: int = 2000, progress=None, command: str = "") -> dict:
+    """Run the edge audit into ``out`` (records, config.json, run.json, summary.json, report.*); the summary.
+    ``command``: the command line to add to ``run.json``'s ``commands``."""
+    from kvrelay.audit.report import rebuild
+
+    audit = EdgeAudit(wf, edge, inputs, score, arms, seeds, lm, out, regime=regime, progress=progress)
+    t0 = time.time()
+    audit.run()
+    out = Path(out)
+    cfg = audit.config()
+    prev = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    if prev and prev.get("edge") not in (None, audit.edge):
+        raise InvalidInput(f"{out} holds the audit of edge {prev['edge']!r}", "a new --out for another edge")
+    (out / "config.json").write_text(json.dumps({**cfg, "model": lm.name}, indent=2) + "\n")
+    run = {"model": lm.name, "preset": "workflow", "tasks": [audit.edge], "arms": cfg["arms"], "seeds": cfg["seeds"],
+           "limit": {audit.edge: len(inputs)}, **cfg, "fingerprint": lm.identity.fingerprint, "engine": lm.engine,
+           "elapsed_s": prev.get("elapsed_s", 0.0) + time.time() - t0,
+           "commands": [*prev.get("commands", []), *([command] if command else [])]}
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    paths = rebuild(out, margin=margin, n_boot=n_boot)
+    return json.loads(Path(paths["summary.json"]).read_text())
