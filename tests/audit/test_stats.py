@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -638,3 +639,48 @@ def test_bca_interval_falls_back_to_percentiles_when_the_map_is_not_monotone():
     jack = np.r_[np.zeros(99), 10.0]  # one far cluster: acceleration ~ -1/6
     low, high, method = _bca_interval(0.0, boot, jack, 0.95)
     assert method == "percentile" and (low, high) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+
+
+# ---------------------------------------------------------------- cost p-values from the CI's own draws
+
+def test_cost_p_value_agrees_with_its_ci_on_skewed_latencies():
+    """Skewed latency differences (many small savings, a few large losses): a signed-rank test and a BCa
+    interval of the mean can disagree; the cost p-value inverts the same bootstrap, so they cannot."""
+    from kvrelay.audit.bootstrap import bca_test
+    from kvrelay.audit.hypothesis import wilcoxon_p
+
+    rng = np.random.default_rng(7)
+    disagreed = 0
+    for trial in range(40):
+        n = 30
+        diff = np.where(rng.random(n) < 0.85, -rng.exponential(0.05, n), rng.exponential(0.6 + 0.02 * trial, n))
+        ci, p = bca_test(diff, n_boot=2000, seed=trial)
+        excludes = ci.low > 0 or ci.high < 0
+        margin = min(abs(ci.low), abs(ci.high))
+        if margin > 1e-3:  # 0 not on an interval end (where the percentile resolution decides)
+            assert (p < 0.05) == excludes, (trial, p, ci)
+        disagreed += (wilcoxon_p(diff) < 0.05) != excludes
+    assert disagreed > 0  # the case this guards against happens on such data
+
+
+def test_cost_effects_use_the_bootstrap_p_value():
+    from kvrelay.audit.paired import Paired
+    from kvrelay.audit.stats import paired_effect
+
+    rng = np.random.default_rng(1)
+    a, b = rng.exponential(1.0, 40), rng.exponential(1.0, 40) + 0.3
+    p = Paired("private", "t", "kv", "text_full", "latency_s", a, b, np.arange(40), np.zeros(40), [{}] * 40, 0, 0, 0)
+    e = paired_effect(p, n_boot=1000)
+    assert e["test"] == "bca_bootstrap" and (e["p_value"] < 0.05) == (e["ci_high"] < 0 or e["ci_low"] > 0)
+    s = paired_effect(replace(p, outcome="success", a=(a > 1) * 100.0, b=(b > 1) * 100.0), n_boot=1000)
+    assert s["test"] == "mcnemar_exact"
+
+
+def test_bca_test_p_value_edges():
+    from kvrelay.audit.bootstrap import bca_test
+
+    assert bca_test([0.0, 0.0, 0.0])[1] == 1.0
+    assert bca_test([2.0, 2.0, 2.0], n_boot=200)[1] == 1 / 200
+    assert bca_test([1.0], n_boot=200)[1] is None
+    ci, p = bca_test(np.r_[np.ones(20), -np.ones(20)], n_boot=500)
+    assert p > 0.5 and ci.low < 0 < ci.high

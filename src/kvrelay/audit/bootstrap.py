@@ -65,6 +65,25 @@ def bca_ci(
     docstring. The generator is ``np.random.default_rng(seed)``, so the same inputs always give
     the same interval.
     """
+    return bca_test(values, clusters, confidence=confidence, n_boot=n_boot, seed=seed)[0]
+
+
+def bca_test(
+    values: object,
+    clusters: object | None = None,
+    *,
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> tuple[BootstrapCI, float | None]:
+    """``bca_ci`` and, from the same bootstrap draws, the two-sided p-value for "the mean is 0".
+
+    The p-value inverts the BCa map at 0: the share of bootstrap means below 0 is carried back
+    through the bias correction and acceleration to the normal quantile ``z`` that the interval of
+    level ``1 - p`` would put its end at, so ``p < 1 - confidence`` exactly when that interval
+    excludes 0 (up to the resolution ``1 / n_boot``). None when the interval is unavailable; 1 when
+    every value is 0; for a degenerate interval away from 0, the smallest p the draws resolve.
+    """
     x = _finite_1d(values, "values")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
@@ -76,14 +95,48 @@ def bca_ci(
     theta = float(x.mean())
     n_clusters = int(sums.size)
     if n_clusters < 2:
-        return BootstrapCI(theta, None, None, confidence, int(x.size), n_clusters, "unavailable")
+        return BootstrapCI(theta, None, None, confidence, int(x.size), n_clusters, "unavailable"), None
+    floor = 1.0 / n_boot
     if np.all(x == x[0]):
-        return BootstrapCI(theta, theta, theta, confidence, int(x.size), n_clusters, "degenerate")
+        return (BootstrapCI(theta, theta, theta, confidence, int(x.size), n_clusters, "degenerate"),
+                1.0 if theta == 0.0 else floor)
     rng = np.random.default_rng(seed)
     boot = _cluster_boot_means(sums, counts, n_boot, rng)  # (B,)
     jack = (sums.sum() - sums) / (counts.sum() - counts)  # (G,) leave-one-cluster-out means
     low, high, method = _bca_interval(theta, boot, jack, confidence)
-    return BootstrapCI(theta, low, high, confidence, int(x.size), n_clusters, method)
+    ci = BootstrapCI(theta, low, high, confidence, int(x.size), n_clusters, method)
+    if method == "degenerate":
+        return ci, 1.0 if theta == 0.0 else floor
+    return ci, _bca_p_zero(theta, boot, jack, method)
+
+
+def _z0_accel(theta: float, boot: np.ndarray, jack: np.ndarray) -> tuple[float, float]:
+    """BCa bias correction ``z0`` and acceleration ``a``."""
+    n_boot = boot.size
+    # Mid-rank share of bootstrap statistics below the estimate (as scipy.stats.bootstrap does);
+    # clipped so z0 stays finite when the estimate lies outside the bootstrap range.
+    share = (np.count_nonzero(boot < theta) + np.count_nonzero(boot <= theta)) / (2.0 * n_boot)
+    share = min(max(share, 0.5 / n_boot), 1.0 - 0.5 / n_boot)
+    z0 = float(ndtri(share))
+    dev = jack.mean() - jack
+    ss = float(np.sum(dev**2))
+    accel = float(np.sum(dev**3)) / (6.0 * ss**1.5) if ss > 0 else 0.0
+    return z0, accel
+
+
+def _bca_p_zero(theta: float, boot: np.ndarray, jack: np.ndarray, method: str) -> float:
+    """Two-sided p-value of 0 under the interval construction ``method`` used on these draws."""
+    n_boot = boot.size
+    level = (np.count_nonzero(boot < 0.0) + np.count_nonzero(boot <= 0.0)) / (2.0 * n_boot)
+    level = min(max(level, 0.5 / n_boot), 1.0 - 0.5 / n_boot)
+    w = float(ndtri(level))
+    if method == "bca":
+        z0, accel = _z0_accel(theta, boot, jack)
+        u = (w - z0) / (1.0 + accel * (w - z0))  # solves w = z0 + u / (1 - a u) for u = z0 + z
+        z = u - z0
+    else:  # percentile fallback: the level itself
+        z = w
+    return float(min(1.0, 2.0 * min(ndtr(z), 1.0 - ndtr(z))))
 
 
 def _finite_1d(values: object, name: str) -> np.ndarray:
@@ -110,15 +163,7 @@ def _cluster_boot_means(sums: np.ndarray, counts: np.ndarray, n_boot: int, rng: 
 def _bca_interval(theta: float, boot: np.ndarray, jack: np.ndarray, confidence: float) -> tuple[float, float, str]:
     if np.ptp(boot) == 0.0:
         return theta, theta, "degenerate"
-    n_boot = boot.size
-    # Mid-rank share of bootstrap statistics below the estimate (as scipy.stats.bootstrap does);
-    # clipped so z0 stays finite when the estimate lies outside the bootstrap range.
-    share = (np.count_nonzero(boot < theta) + np.count_nonzero(boot <= theta)) / (2.0 * n_boot)
-    share = min(max(share, 0.5 / n_boot), 1.0 - 0.5 / n_boot)
-    z0 = float(ndtri(share))
-    dev = jack.mean() - jack
-    ss = float(np.sum(dev**2))
-    accel = float(np.sum(dev**3)) / (6.0 * ss**1.5) if ss > 0 else 0.0
+    z0, accel = _z0_accel(theta, boot, jack)
     alpha = (1.0 - confidence) / 2.0
     z = ndtri(np.array([alpha, 1.0 - alpha]))
     shifted = z0 + z

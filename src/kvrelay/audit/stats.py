@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from kvrelay.audit.bootstrap import BootstrapCI, bca_ci
+from kvrelay.audit.bootstrap import BootstrapCI, bca_ci, bca_test
 from kvrelay.audit.hypothesis import (
     TOSTResult,
     benjamini_hochberg,
@@ -75,13 +75,21 @@ def pair_trials(records: Iterable[Mapping[str, object]], arm_a: str, arm_b: str,
 def paired_effect(p: Paired, *, confidence: float = 0.95, n_boot: int = 2000, seed: int = 0) -> dict:
     """Effect ``A − B`` of a :class:`Paired`: ``estimate, ci_low, ci_high, p_value, test, n, n_clusters``.
 
+    Success: McNemar or Wilcoxon p-values (``hypothesis.paired_test``). Cost outcomes: the p-value
+    inverts the same BCa bootstrap as the CI (``bootstrap.bca_test``), so "p < 0.05" and "the 95% CI
+    excludes 0" never disagree.
+
     Success estimates are in points (×100). With no pairs everything but ``n`` is None.
     """
     if p.n == 0:
         return {"estimate": None, "ci_low": None, "ci_high": None, "p_value": None, "test": None,
                 "n": 0, "n_clusters": 0}  # fmt: skip
-    ci = bca_ci(p.diff, p.clusters, confidence=confidence, n_boot=n_boot, seed=seed)
-    pv, test = paired_test(p.a, p.b, p.clusters, binary=p.binary)
+    if p.outcome == "success":
+        ci = bca_ci(p.diff, p.clusters, confidence=confidence, n_boot=n_boot, seed=seed)
+        pv, test = paired_test(p.a, p.b, p.clusters, binary=p.binary)
+    else:  # costs (skewed latencies, bytes, tokens): the p-value from the very draws of the CI, so they agree
+        ci, pv = bca_test(p.diff, p.clusters, confidence=confidence, n_boot=n_boot, seed=seed)
+        test = "bca_bootstrap"
     return {"estimate": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "p_value": pv, "test": test,
             "n": p.n, "n_clusters": p.n_clusters}  # fmt: skip
 
