@@ -103,10 +103,15 @@ def partial(
                 fh.write("".join(json.dumps(trial_row(setup, t)) + "\n" for t in trials))
 
     load_before = os.getloadavg()[0]
-    lm = load_for_cli(model, threads)
-    trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
-                 max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
-                 progress=not state.quiet)
+    have = {t.task for t in done}
+    if all(task.id in have for _, task in task_list):  # every task recorded: summarize without loading the model
+        wanted = {task.id for _, task in task_list}
+        trials = [t for t in done if t.task in wanted]
+    else:
+        lm = load_for_cli(model, threads)
+        trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
+                     max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
+                     progress=not state.quiet)
     rows = summarize(trials)
     load_after = os.getloadavg()[0]
     n_tasks = len({t.task for t in trials})

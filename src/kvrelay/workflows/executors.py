@@ -88,8 +88,15 @@ class InProcessExecutor:
         return a.encode(a.fmt.user(context))
 
     def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
-             min_new_tokens: int, want_payload: bool) -> TurnOut:
+             min_new_tokens: int, want_payload: bool, partial: float | None = None) -> TurnOut:
         a = self.agents[agent]
+        if partial is not None:  # a ``partial`` edge: the receiver's prompt selects the positions it gets
+            if self.store is not None or cache is None:
+                raise ValueError("a partial edge runs in process, without a store, on a relayed payload")
+            from kvrelay.kv.partial import Budget, PartialRequest, select
+
+            sel = select(cache, PartialRequest(tuple(a.prompt_ids(prompt)), Budget(fraction=partial)), model=a.model)
+            cache = sel.compressed.decompress()
         if self.store is None:
             return take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
                              min_new_tokens=min_new_tokens, want_payload=want_payload)

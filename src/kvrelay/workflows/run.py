@@ -174,9 +174,11 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
         cache = done[src].payload if src is not None else None
         kw = {"layout": plan.layout, "max_new_tokens": spec.max_new_tokens, "min_new_tokens": spec.min_new_tokens,
               "want_payload": needs_payload(plan, spec.name)}
+        ins = plan.incoming(spec.name)  # a partial edge: the receiver's prompt selects the positions it gets
+        part = {"partial": ins[0].partial} if len(ins) == 1 and ins[0].partial is not None and cache is not None else {}
         fallback = ""
         try:
-            out = ex.turn(spec.name, prompt, list(base), cache, **kw)
+            out = ex.turn(spec.name, prompt, list(base), cache, **kw, **part)
         except Exception as e:
             kind = refusal(e)
             if cache is None or kind is None:

@@ -64,8 +64,13 @@ class Edge:
     channel: str = "kv"
     on_refused: str = "stop"  # stop: EdgeRefused naming the edge; text: rebuild it from text (said in the trace)
     verify: VerifySpec | None = None  # the receiver recomputes part of the relayed payload first (agents.verify)
+    partial: float | None = None  # kv edges: relay only this share of positions, chosen by the receiver's prompt
 
     def __post_init__(self):
+        if self.partial is not None and (self.channel != "kv" or type(self.partial) not in (int, float)
+                                         or not 0 < self.partial <= 1 or self.verify is not None):
+            raise ValueError(f"edge {self.src}->{self.dst}: partial must be a fraction in (0, 1] on a kv edge "
+                             f"without verify, got partial={self.partial!r} on channel {self.channel!r}")
         if isinstance(self.verify, dict):  # from TOML: verify = {k = 32}
             unknown = set(self.verify) - {"k", "full", "seed"}
             if unknown:
@@ -125,6 +130,16 @@ class Workflow:
                 if len(grand) != 1 or len(next(iter(grand))) > 1:
                     raise ValueError(f"{dst}: fan-in senders must share one predecessor (or all be roots); "
                                      f"they have {sorted(grand)}")
+        for e in self.edges:
+            if e.partial is None:
+                continue
+            if self.layout != "continue":
+                raise ValueError(f"edge {e.src}->{e.dst}: a partial edge needs layout = \"continue\" (positions kept)")
+            onward = [g for g in self.edges if g.src == e.dst and (g.channel == "kv" or any(
+                h.src == g.dst and h.channel == "kv+text" for h in self.edges))]
+            if onward:
+                raise ValueError(f"edge {e.src}->{e.dst}: the receiver of a partial edge cannot pass its cache on "
+                                 f"({onward[0].src}->{onward[0].dst} needs it); make that edge text")
         object.__setattr__(self, "_preds", {k: tuple(v) for k, v in preds.items()})
 
     # -- derived -------------------------------------------------------------------------------
@@ -146,7 +161,8 @@ class Workflow:
 
     def with_channels(self, channel: str) -> Workflow:
         """The same graph with every edge on ``channel`` (``text``: the re-encode baseline)."""
-        return replace(self, edges=tuple(replace(e, channel=channel) for e in self.edges))
+        return replace(self, edges=tuple(replace(e, channel=channel, partial=e.partial if channel == "kv" else None)
+                                         for e in self.edges))
 
     def with_layout(self, layout: str) -> Workflow:
         return replace(self, layout=layout)
@@ -168,6 +184,8 @@ class Workflow:
                       f"max_new_tokens = {a.max_new_tokens}", f"min_new_tokens = {a.min_new_tokens}"]
         for e in self.edges:
             lines += ["", "[[edges]]", f"src = {_q(e.src)}", f"dst = {_q(e.dst)}", f"channel = {_q(e.channel)}"]
+            if e.partial is not None:
+                lines.append(f"partial = {e.partial!r}")
             if e.on_refused != "stop":
                 lines.append(f"on_refused = {_q(e.on_refused)}")
             if e.verify is not None:
