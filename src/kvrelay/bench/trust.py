@@ -16,7 +16,7 @@ in order, and the first that refuses it is recorded:
 Faults that pass the signature were made by someone holding the key (a buggy or compromised
 producer): only recomputation can catch those. Random faults (noise, which positions are checked)
 are drawn ``trials`` times; ``detection_probability`` is the share of draws caught. The
-false-positive rate is measured on ``genuine`` payloads of real text (64-192 tokens), each checked
+false-positive rate is measured on ``genuine`` payloads of real text (64-128 tokens), each checked
 under every codec a receiver accepts. ``cost_fraction`` is ``agents.verify``'s: multiply-adds run over
 those of a full re-prefill (0 for a defence that reads the header only).
 """
@@ -252,7 +252,7 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
             rows.append(done[rid])
             continue
         n = trials if (fault.startswith("noise_") or fault in random_faults) else 1
-        n = min(n, 3) if fault in ("other_text", "other_task", "other_weights") else n  # a prefill per draw
+        n = 1 if fault in ("other_text", "other_task", "other_weights") else n  # a prefill of the whole context each
         caught, by, costs, reasons = 0, {}, [], []
         for t in range(n):
             g = torch.Generator().manual_seed(1000 * t + FAULTS.index(fault))
@@ -278,15 +278,15 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
             "load_average": {"before": load_before, "after": list(os.getloadavg())}, "created_at": time.time()}
 
 
-def _false_positives(lm, n: int, k: int, done: dict, records: Path | None) -> dict:
-    """Genuine payloads of real text (prose and code, 64..192 tokens) checked under every codec in ``CODECS``
+def _false_positives(lm, n: int, k: int, done: dict, records: Path | None, *, reverse: bool = False) -> dict:
+    """Genuine payloads of real text (prose and code, 64..128 tokens) checked under every codec in ``CODECS``
     (one resumable record per payload)."""
     tok = lm.tokenizer
-    per = []
-    for i in range(n):
+    for i in (range(n - 1, -1, -1) if reverse else range(n)):
         rid = f"genuine:{i}"
+        done.update(_load_records(records))  # another process may share the work (it runs the other way)
         if rid not in done:
-            tokens = 64 + (i * 37) % 129
+            tokens = 64 + (i * 37) % 65
             p = _read(lm, _text(tok, tokens, "prose" if i % 2 else "code", 100 + 17 * i), tokens)
             row = {"id": rid, "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {}}
             for c in CODECS:
@@ -297,7 +297,7 @@ def _false_positives(lm, n: int, k: int, done: dict, records: Path | None) -> di
                     row["flagged"].append(c)
             _append(records, row)
             done[rid] = row
-        per.append(done[rid])
+    per = [done[f"genuine:{i}"] for i in range(n)]
     checks = len(per) * len(CODECS)
     flagged = sum(len(r["flagged"]) for r in per)
     return {"payloads": len(per), "codecs": list(CODECS), "checks": checks, "flagged": flagged,
