@@ -103,6 +103,10 @@ RUNS = [
                    "memory", "--repeats", "1", "--no-compare", "--link-mbps", "100", "--link-latency-ms", "1",
                    "--threads", "1", "--profile", "{tmp}/profile.json", "--json", "{tmp}/calibrate.json"],
      ["break-even bandwidth", "profile saved", "codec int8-g32"]),
+    ("bench-policy", ["bench", "policy", "--profile", "{tmp}/calibrate.json", "--audits", "docs/audit", "--held-out",
+                      "gen_easy,arc_challenge", "--per-set", "8", "--slo", "30", "--seed", "0",
+                      "--plot", "{tmp}/frontier.png", "--json", "{tmp}/policy.json"],
+     ["bench policy", "learned policy dominated", "held-out calibration"]),
     ("models-list", ["models", "list"], [SMOL, "qwen2.5-coder-0.5b"]),
     ("models-pull", ["models", "pull", SMOL], [f"{SMOL}: ready in"]),
     ("models-info", ["models", "info", SMOL, "--json", "{tmp}/info.json"], ["fingerprint", "KV bytes / token"]),
@@ -128,7 +132,8 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",
                  "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json",
-                 "calibrate": "kvrelay calibrate --json", "bench-speculative": "kvrelay bench speculative --json"}
+                 "calibrate": "kvrelay calibrate --json", "bench-speculative": "kvrelay bench speculative --json",
+                 "bench-policy": "kvrelay bench policy --json"}
 
 
 def _argv(run: list[str], tmp: Path) -> list[str]:

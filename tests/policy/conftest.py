@@ -12,13 +12,17 @@ from kvrelay.policy.features import Features
 from kvrelay.policy.value import Observation, ValueModel
 
 
-@pytest.fixture(scope="session")
-def profile() -> CostProfile:
+def synthetic_profile() -> CostProfile:
     return CostProfile(
         model="synthetic-0.5b", prefill_fixed_s=0.5, prefill_s_per_token=0.006, decode_s_per_token=0.03,
         raw_bytes_per_token=24_576.0, text_bytes_per_token=4.5,
         codecs=(CodecCost("raw", 1.0, 2e-10, 3e-10, lossless=True), CodecCost("int8-g32", 3.5, 3e-9, 1e-9)),
         stores=(StoreCost("memory", 1e-10, 1e-10),))
+
+
+@pytest.fixture(scope="session")
+def profile() -> CostProfile:
+    return synthetic_profile()
 
 
 def synthetic(seed: int = 0, n: int = 60, prefix: str = "t") -> list[Observation]:

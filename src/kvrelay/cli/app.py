@@ -270,6 +270,7 @@ _mount(bench_app, "kvrelay.cli.bench_serve", None)
 _mount(bench_app, "kvrelay.cli.bench_partial", None)
 _mount(app, "kvrelay.cli.calibrate", None)
 _mount(bench_app, "kvrelay.cli.bench_speculative", None)
+_mount(bench_app, "kvrelay.cli.bench_policy", None)
 bench_app.info.help = "Measurements: " + ", ".join(c.name for c in bench_app.registered_commands) + "."
 
 

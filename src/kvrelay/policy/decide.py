@@ -168,7 +168,7 @@ def decide(req: Request, slo: Slo, value: ValueModel, cost: CostProfile) -> Deci
         why += f"; {best.key} is {100 * d.mean:+.0f} pts [{100 * d.ci_low:+.0f}, {100 * d.ci_high:+.0f}] but slower"
     why += f" (overlap {req.features.overlap:.2f}, {req.features.context_tokens} tokens"
     why += f", link {link.mbps:g} Mbit/s)" if link is not None else ", in process)"
-    if notes:
-        why += "; " + "; ".join(notes)
+    if notes or skipped:
+        why += "; " + "; ".join(notes + skipped)
     why += slo_note
     return Decision(pick.channel, pick.codec, why, pick.success.mean, pick.latency_s, tuple(opts))
