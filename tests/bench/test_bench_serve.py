@@ -17,7 +17,9 @@ FIELDS = {"name", "p50_s", "p99_s", "throughput_rps", "accuracy", "ci_low", "ci_
 def result():
     cfg = ServeBenchConfig(models=("tiny:qwen2", "tiny:llama"), workflows=3, clients=2, doc_tokens=96, max_tokens=6,
                            slo_s=30.0, strategies=KVRELAY_STRATEGIES + ("vllm", "vllm_prefix_arranged"))
-    return bench_serve(cfg)
+    parts: list[dict] = []
+    res = bench_serve(cfg, checkpoint=parts.append)
+    return res | {"parts": parts}
 
 
 def test_every_strategy_reports_the_contract(result):
@@ -31,6 +33,10 @@ def test_every_strategy_reports_the_contract(result):
         assert not rows[name]["run"] and rows[name]["reason"] and rows[name]["p50_s"] is None
     assert isinstance(result["scheduler_dominated"], bool)
     assert result["load_average"]["status"] in ("quiet", "loaded")
+    # after each kvrelay strategy, what was measured so far (the CLI writes it: a stopped run keeps it)
+    assert [[r["name"] for r in p["strategies"]] for p in result["parts"]] == \
+        [list(KVRELAY_STRATEGIES[:i + 1]) for i in range(len(KVRELAY_STRATEGIES))]
+    assert result["complete"] and not any(p["complete"] for p in result["parts"])
 
 
 def test_relay_writes_what_the_text_re_send_writes(result):

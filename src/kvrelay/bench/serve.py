@@ -233,7 +233,10 @@ def model_folder(name: str) -> Path | None:
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
-def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = lambda s: None) -> dict:
+def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = lambda s: None,
+                checkpoint: Callable[[dict], None] = lambda res: None) -> dict:
+    """Every strategy of ``config`` on the same workflows. ``checkpoint`` receives the result so far after
+    each strategy (the CLI writes it, so a long run that stops keeps what it measured)."""
     from kvrelay.serve.server import Gateway, ServeConfig
 
     tasks = generate(config.workflows, config.seed, doc_tokens=config.doc_tokens)
@@ -262,6 +265,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
             before = load1()
             records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens)
             rows[name] = summarize(name, records, wall, (before, load1())) | {"records": records}
+            checkpoint(_result(config, rows, small, large) | {"complete": False})
     if "transformers_serve" in config.strategies:
         folder = model_folder(large)
         if folder is None:
@@ -281,9 +285,13 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
         if name in config.strategies:
             rows[name] = not_run(name, f"vLLM's CPU build is an optional peer; no environment at {VLLM_PYTHON}"
                                  if not VLLM_PYTHON.exists() else "the vLLM strategies are not implemented yet")
+    return _result(config, rows, small, large)
+
+
+def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: str) -> dict:
     ordered = [rows[s] for s in STRATEGIES if s in rows]
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
-    return {"strategies": ordered, "scheduler_dominated": dominated(ordered),
+    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
             "slo_s": config.slo_s, "seed": config.seed, "task_set": "gen (private regime)",

@@ -68,7 +68,8 @@ def bench_serve_cmd(
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
                            engine=engine)
-    res = bench_serve(cfg, progress=note)
+    res = bench_serve(cfg, progress=note,
+                      checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()
     print_result(res)
     write_json(json_path, res)
