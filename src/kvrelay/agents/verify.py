@@ -42,8 +42,10 @@ VERDICTS = ("ok", "tampered", "refused")
 # the codec's encoding). fp32 recompute differs from the producer's forward by kernel order only
 # (batch shapes differ); storage in 16 bits and int8/int4 codecs add their rounding, which also
 # reaches the spot-checked tokens through the context they attend to. Norm-matched noise has a
-# relative error near sqrt(2), so even the int4 bound leaves a wide margin.
-TOLERANCES = {"float32": 0.01, "float16": 0.02, "bfloat16": 0.06, "int8": 0.12, "int4": 0.45}
+# relative error near sqrt(2): int4's own rounding leaves the thinnest margin.
+# Calibrated on qwen2.5-coder-0.5b (genuine payloads of real text): the largest errors seen were ~0.004
+# through fp16, ~0.043 through bf16, ~0.034 through int8 and ~0.51 through int4; each bound is >= 1.7x that.
+TOLERANCES = {"float32": 0.01, "float16": 0.02, "bfloat16": 0.12, "int8": 0.12, "int4": 0.9}
 ENGINE_FACTOR = {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.0}  # every mode prefills in fp32
 
 

@@ -288,11 +288,13 @@ def _false_positives(lm, n: int, k: int, done: dict, records: Path | None, *, re
         if rid not in done:
             tokens = 64 + (i * 37) % 65
             p = _read(lm, _text(tok, tokens, "prose" if i % 2 else "code", 100 + 17 * i), tokens)
-            row = {"id": rid, "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {}}
+            row = {"id": rid, "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {},
+                   "tolerance": {}}
             for c in CODECS:
                 q = p if c == "raw" else codecs.decompress(codecs.compress(p, c))
                 v = verify_payload(lm.model, q, VerifySpec(k=k, seed=i), codec=c)
                 row["error_over_tolerance"][c] = round(v.max_error / v.tolerance, 6)
+                row["tolerance"][c] = v.tolerance
                 if v.verdict != "ok":
                     row["flagged"].append(c)
             _append(records, row)
