@@ -22,9 +22,10 @@ are refused by another unless accepted explicitly (``kvrelay.fuse.engine``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -205,3 +206,17 @@ def decode_weight_bytes(model: nn.Module) -> int:
             continue  # compact copy counted above; an embedding reads one row per token
         total += p.numel() * p.element_size()
     return total
+
+
+def with_engine(lm, engine: str):
+    """A ``LoadedModel`` in engine mode ``engine``: a new model object, same fp32 parameters.
+
+    The parameters are shared with ``lm`` (no second fp32 copy); ``lm`` itself is left as it was.
+    """
+    if lm.identity.engine != "fp32":
+        raise ValueError(f"with_engine starts from an fp32 model, got engine {lm.identity.engine!r}")
+    if mode(engine).phase_uniform:
+        return lm
+    memo = {id(p): p for p in lm.model.parameters()}  # share parameters, copy modules and buffers
+    model = apply_engine(copy.deepcopy(lm.model, memo), engine)
+    return replace(lm, model=model, identity=replace(lm.identity, engine=engine))

@@ -66,7 +66,7 @@ def decode_step_s(lm, *, context: int = _CONTEXT, warmup: int = _WARMUP, steps: 
 
 def measure_engines(lm, candidates=AUTO_CANDIDATES) -> dict[str, float]:
     """Decode seconds per token of ``lm`` (fp32) in each candidate mode."""
-    from kvrelay.models.loader import with_engine
+    from kvrelay.models.engine import with_engine
 
     return {name: decode_step_s(with_engine(lm, name)) for name in candidates}
 

@@ -21,14 +21,13 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
-from kvrelay.models.engine import apply_engine, mode
+from kvrelay.models.engine import mode, with_engine
 from kvrelay.models.identity import ModelIdentity, model_identity
 from kvrelay.models.loaded import LoadedModel
 from kvrelay.models.tiny import parse_tiny, tiny_lm
@@ -84,22 +83,6 @@ def _load_cached(key: str, dtype: torch.dtype, engine: str) -> LoadedModel:
     if engine != "fp32":
         return with_engine(_load_cached(key, dtype, "fp32"), engine)
     return _load_base(key, dtype)
-
-
-def with_engine(lm, engine: str):
-    """A ``LoadedModel`` in engine mode ``engine``: a new model object, same fp32 parameters.
-
-    The parameters are shared with ``lm`` (no second fp32 copy); ``lm`` itself is left as it was.
-    """
-    import copy
-
-    if lm.identity.engine != "fp32":
-        raise ValueError(f"with_engine starts from an fp32 model, got engine {lm.identity.engine!r}")
-    if mode(engine).phase_uniform:
-        return lm
-    memo = {id(p): p for p in lm.model.parameters()}  # share parameters, copy modules and buffers
-    model = apply_engine(copy.deepcopy(lm.model, memo), engine)
-    return replace(lm, model=model, identity=replace(lm.identity, engine=engine))
 
 
 def _load_base(key: str, dtype: torch.dtype) -> LoadedModel:

@@ -48,20 +48,6 @@ class ByteStore(Protocol):
         query's first ``n``, with ``n`` as large as possible; None when nothing matches."""
 
 
-class PayloadMethods:
-    """``put`` / ``get`` of a raw ``KVPayload`` on a byte store (the payload layer, as methods)."""
-
-    def put(self, key: str, payload, ttl_s: float | None = None) -> None:
-        from kvrelay.transport.payloads import put_payload
-
-        put_payload(self, payload, ttl_s=ttl_s, key=key)
-
-    def get(self, key: str):
-        from kvrelay.transport.payloads import get_payload
-
-        return get_payload(self, key)
-
-
 def check_ttl(ttl_s: float | None) -> None:
     if ttl_s is not None and not ttl_s > 0:
         raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from kvrelay.core.errors import PayloadNotFound
 from kvrelay.kv.wire import atomic_write
-from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl, header_bytes
+from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, header_bytes
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, parse_key, query_boundaries
+from kvrelay.transport.payloads import PayloadMethods
 
 _RETRIES = 8
 

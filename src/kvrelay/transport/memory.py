@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from kvrelay.core.errors import PayloadNotFound
 from kvrelay.transport.budget import ByteBudget
-from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl
+from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl
 from kvrelay.transport.keys import BLOCK_TOKENS, PrefixEntry, Tokens, match, query_boundaries
+from kvrelay.transport.payloads import PayloadMethods
 
 
 class MemoryStore(PayloadMethods):

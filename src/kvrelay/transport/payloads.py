@@ -115,3 +115,14 @@ def get_payload_sized(store: ByteStore, key: str, *, expect: ModelIdentity | Non
 def get_compressed(store: ByteStore, key: str) -> codecs.Compressed:
     """The codec output under ``key``, not decompressed (``codecs.decompress`` it, or measure that)."""
     return compressed_from_bytes(store.get_bytes(key))
+
+
+class PayloadMethods:
+    """``put`` / ``get`` of a raw ``KVPayload`` on a byte store: the two functions above, as methods of the
+    stores (``MemoryStore``, ``DiskStore``, ``RedisStore`` inherit them)."""
+
+    def put(self, key: str, payload, ttl_s: float | None = None) -> None:
+        put_payload(self, payload, ttl_s=ttl_s, key=key)
+
+    def get(self, key: str):
+        return get_payload(self, key)

@@ -8,8 +8,9 @@ import secrets
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from kvrelay.core.errors import CorruptPayload, PayloadNotFound
-from kvrelay.transport.bytestore import IndexEntries, Parts, PayloadMethods, as_parts, check_ttl, chunks
+from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, chunks
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, query_boundaries
+from kvrelay.transport.payloads import PayloadMethods
 
 # Add one prefix-index entry; the index hash lives as long as its longest-lived entry (-1 = forever).
 _INDEX_LUA = """
