@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/time_command.py --json docs/bench/make_demo.json -- make demo
 
 writes ``{"command", "timed", "elapsed_s", "returncode", "load_average": {"load1_before", "load1_after"},
-"cpus"}``. The README's "how long it takes" figures come from these files.
+"cpus"}``, so a "how long it takes" figure in the docs can sit beside a committed file that records its load.
 """
 
 from __future__ import annotations
