@@ -91,11 +91,13 @@ def matches(printed: float, decimals: int, unit: str, values, ratios=()) -> bool
 
 
 def _strip(text: str) -> str:
-    """Text with what is not a quoted figure removed: inline code, link targets, comments, arXiv ids."""
+    """Text with what is not a quoted figure removed: inline code, link targets, comments, arXiv ids, the
+    "1-minute" of a load average's name."""
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     text = re.sub(r"<!--.*?-->", " ", text)
     text = re.sub(r"arXiv \d+\.\d+", " ", text)
+    text = re.sub(r"\b1-min(?:ute)?\b", "one-minute", text)  # the name of a load figure, not a figure
     return text.replace("**", "").replace("\\|", "|")
 
 
