@@ -56,7 +56,7 @@ def partial(
     from kvrelay.cli import validate as v
 
     task_sets = v.csv(tasks, "--tasks", "squad,gen_easy")
-    v.positive(limit, "--limit", minimum=2)
+    v.positive(limit, "--limit")
     budget_list = v.float_list(budgets, "--budgets", example="0.1,0.25,1.0")
     for b in budget_list:
         v.fraction(b, "--budgets")
