@@ -92,7 +92,7 @@ def test_what_cannot_be_recomputed_is_refused_never_ok(lm, genuine):
 
 @pytest.mark.parametrize("fault", [f for f in FAULTS if f not in ("noise_1pct_upper_layers",)])
 def test_every_fault_of_the_corpus_is_caught(lm, genuine, fault):
-    rx = Receiver(lm)
+    rx = Receiver(lm, genuine.meta.created_at)
     data = _other_weights(lm, genuine, 0) if fault == "other_weights" else faulted(
         fault, lm, genuine, torch.Generator().manual_seed(1))
     by, reason, _ = rx.defend(data, VerifySpec(k=8, seed=0))
@@ -100,7 +100,7 @@ def test_every_fault_of_the_corpus_is_caught(lm, genuine, fault):
 
 
 def test_the_corpus_receiver_passes_the_genuine_payload(lm, genuine):
-    assert Receiver(lm).defend(_signed_bytes(genuine), VerifySpec(k=8, seed=0))[0] == ""
+    assert Receiver(lm, genuine.meta.created_at).defend(_signed_bytes(genuine), VerifySpec(k=8, seed=0))[0] == ""
 
 
 def test_tolerance_follows_dtype_and_codec_and_refuses_unknowns():

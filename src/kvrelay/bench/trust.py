@@ -91,8 +91,8 @@ def _relabel(other: KVPayload, p: KVPayload) -> KVPayload:
 class Receiver:
     """The defences in order, for one loaded model, one trusted key and the round book's expectations."""
 
-    def __init__(self, lm):
-        self.lm = lm
+    def __init__(self, lm, made_at: float):
+        self.lm, self.made_at = lm, made_at
 
     def defend(self, data: bytes, spec: VerifySpec, *, now_round: int = ROUND) -> tuple[str, str, float]:
         """(detected_by or "", reason, cost_fraction) for kvrelay/1 bytes."""
@@ -107,8 +107,8 @@ class Receiver:
             return ("fingerprint" if e.field == "model_fingerprint" else "invariants"), str(e), 0.0
         book = RoundBook(RoundRules(max_age_s=600.0), held={p.meta.producer: ROUND},
                          models={p.meta.producer: ident.fingerprint})
-        try:
-            receive(p, ident, book, now_round=now_round)
+        try:  # the receiver's clock stands just after the genuine payload was made: a long run ages nothing
+            receive(p, ident, book, now_round=now_round, now_s=self.made_at + 60.0)
             check_geometry(p, ident)
         except (StalePayload, MissingRound, ExpiredPayload, ProducerModelChanged) as e:
             return "round check", str(e), 0.0
@@ -171,7 +171,7 @@ def faulted(fault: str, lm, p: KVPayload, g: torch.Generator) -> bytes:
     if fault == "skipped_round":
         return _signed_bytes(p.with_meta(round=ROUND + 3))
     if fault == "expired":
-        return _signed_bytes(p.with_meta(created_at=time.time() - 3600))
+        return _signed_bytes(p.with_meta(created_at=p.meta.created_at - 3600))
     if fault.startswith("noise_"):
         frac = {"all": 1.0, "10pct": 0.1, "1pct": 0.01, "one": 1.0}[fault.split("_")[1]]
         layers = [L // 2] if fault == "noise_one_layer" else range(1, L) if fault.endswith("upper_layers") else range(L)
@@ -238,9 +238,9 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
         lm = load_model(model, engine=engine)
     load_before = list(os.getloadavg())
     done = _load_records(records)
-    rx = Receiver(lm)
     tok = lm.tokenizer
     p = _read(lm, _text(tok, context_tokens, "prose", 0), context_tokens)
+    rx = Receiver(lm, p.meta.created_at)
     T, L = p.num_tokens, len(p.keys)
     rows = []
     plan = [(f, k) for f in FAULTS if not f.endswith("upper_layers")]
