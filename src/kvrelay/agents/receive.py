@@ -9,10 +9,11 @@
 3. Otherwise it is refused with ``IncompatiblePayload`` naming the field that differs.
 
 Then the checks that do not depend on the model: the codec is ``raw`` (decode compressed payloads
-first), the K/V geometry matches, and the round book (``RoundBook`` under ``RoundRules``) accepts
-the round: not older than one already held from that producer (``StalePayload``), not skipping
-rounds (``MissingRound``), not expired by rounds or seconds (``ExpiredPayload``), and not made by a
-model the producer has since replaced (``ProducerModelChanged``). Nothing is used silently.
+first), the K/V geometry matches, every real token id is in the receiver's vocabulary, and the round
+book (``RoundBook`` under ``RoundRules``) accepts the round: not older than one already held from that
+producer (``StalePayload``), not skipping rounds (``MissingRound``), not expired by rounds or seconds
+(``ExpiredPayload``), and not made by a model the producer has since replaced (``ProducerModelChanged``).
+Nothing is used silently.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def adapt_if_needed(p: KVPayload, ident: ModelIdentity, adapter: Adapter | None)
 def check_geometry(p: KVPayload, ident: ModelIdentity) -> None:
     if p.meta.codec != "raw":
         raise IncompatiblePayload("codec", "raw", p.meta.codec, "decode the payload with its codec first")
+    if ident.vocab_size is not None:
+        real = p.token_ids[p.mask]
+        top = int(real.max()) if real.numel() else -1
+        if top >= ident.vocab_size:
+            raise IncompatiblePayload("token_ids", f"ids below {ident.vocab_size}", top,
+                                      f"token id {top} is outside the receiver's vocabulary of {ident.vocab_size}")
     want = (ident.num_kv_heads, ident.head_dim)
     for k in p.keys:  # every held layer: a crafted payload may be consistent per layer but not across layers
         got = (k.shape[1], k.shape[3])  # (B, H_kv, T_l, D)

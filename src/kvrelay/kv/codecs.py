@@ -31,10 +31,12 @@ kvrelay/1 header, a few KB, is on top: ``wire_nbytes`` packs it for real);
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, evict, key_norm_scores
 from kvrelay.kv.layout import tensor_name
 from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta, payload_tensors
@@ -102,6 +104,12 @@ class Encoding:
     def name(self) -> str:
         return f"int{self.bits}-g{self.group_size}" if self.kind == "int" else self.kind
 
+    def float_dtype(self, payload_dtype: str) -> torch.dtype:
+        """The dtype K/V travel in under a float encoding (``raw``: the payload's own ``payload_dtype``)."""
+        if self.kind == "int":
+            raise ValueError(f"{self.name} stores int codes, not float K/V")
+        return _FLOATS[self.kind] or DTYPES[payload_dtype]
+
 
 def _parse_layers(name: str, spec: str) -> Layers:
     out: list[int] = []
@@ -157,6 +165,11 @@ class Codec:
     def lossless(self) -> bool:
         return not self.stages and self.encoding.kind == "raw"
 
+    @property
+    def keeps_tokens(self) -> bool:
+        """True when the output holds every token of the input (no eviction stage)."""
+        return not any(isinstance(s, Evict) for s in self.stages)
+
     def compress(self, p: KVPayload, **ctx) -> Compressed:
         return compress(p, self, **ctx)
 
@@ -211,16 +224,16 @@ class Compressed:
         return self.raw_nbytes / self.nbytes
 
     def to_wire(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        meta = {**self.meta.to_strings(), "codec_raw_nbytes": str(self.raw_nbytes)}
+        meta = {**self.meta.to_strings(), RAW_NBYTES_FIELD: str(self.raw_nbytes)}
         return {k: t.contiguous() for k, t in self.tensors.items()}, meta
 
     @classmethod
     def from_wire(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Compressed:
-        m = dict(meta)
-        raw = int(m.pop("codec_raw_nbytes", "0"))
+        """The inverse of ``to_wire``. Metadata faults are ``CorruptPayload``; the tensors' layout is
+        the caller's to check (``kv.wire.decode_compressed`` checks it before reading them)."""
         known = PayloadMeta.__dataclass_fields__
-        pm = PayloadMeta.from_strings({k: v for k, v in m.items() if k in known})
-        return cls(parse(pm.codec), dict(tensors), pm, raw)
+        pm = PayloadMeta.from_strings({k: v for k, v in meta.items() if k in known})
+        return cls(codec_of(pm), dict(tensors), pm, raw_nbytes_of(meta))
 
     def wire_nbytes(self) -> int:
         """Exact size of the kvrelay/1 bytes (packs them: checksums every tensor)."""
@@ -230,6 +243,28 @@ class Compressed:
 
     def decompress(self) -> KVPayload:
         return decompress(self)
+
+
+RAW_NBYTES_FIELD = "codec_raw_nbytes"  # the metadata field ``to_wire`` records ``raw_nbytes`` in
+
+
+def raw_nbytes_of(meta: Mapping[str, str]) -> int:
+    """``codec_raw_nbytes`` of wire metadata (0 when absent); anything but a decimal int >= 0 is corrupt."""
+    s = meta.get(RAW_NBYTES_FIELD, "0")
+    if not isinstance(s, str) or not s.isascii() or not s.isdigit() or len(s) > 20:
+        raise CorruptPayload(f"metadata field {RAW_NBYTES_FIELD!r}: expected a decimal int >= 0, got {s!r}")
+    return int(s)
+
+
+def codec_of(meta: PayloadMeta) -> Codec:
+    """The codec ``meta.codec`` names, which must be a canonical name (what ``compress`` writes)."""
+    try:
+        c = parse(meta.codec)
+    except ValueError as e:
+        raise CorruptPayload(f"metadata field 'codec': {e}") from None
+    if c.name != meta.codec:
+        raise CorruptPayload(f"metadata field 'codec': {meta.codec!r} is not written that way; expected {c.name!r}")
+    return c
 
 
 # -- compress / decompress -------------------------------------------------------------------
@@ -310,4 +345,5 @@ def apply(p: KVPayload, name: str, **ctx) -> KVPayload:
     return decompress(compress(p, name, **ctx))
 
 
-__all__ = ["MODES", "Codec", "Compressed", "apply", "available_codecs", "compress", "decompress", "parse"]
+__all__ = ["MODES", "Codec", "Compressed", "apply", "available_codecs", "codec_of", "compress", "decompress", "parse",
+           "raw_nbytes_of"]

@@ -1,10 +1,12 @@
 """What a kvrelay/1 file holds, without trusting it: header, metadata, layers, tokens, bytes, codec, checksums.
 
-``describe(data)`` never raises on damaged bytes past the header: it verifies every tensor against
-its own digest and reports each result (``checksum.bad`` lists the tensors whose bytes changed).
-A header that fails its own validation (truncated, edited metadata, foreign file) is reported as
-``status: "corrupt"`` with the reason. Works on raw payloads and on any codec's output (int8 codes
-and scales are tensors like any other).
+``describe(data)`` never raises on damaged bytes: it verifies every tensor against its own digest
+and reports each result (``checksum.bad`` lists the tensors whose bytes changed). ``status`` is
+``"ok"`` exactly when ``kv.wire.decode`` accepts the bytes — the same validation, not a second
+copy of it — and otherwise ``"corrupt"`` with ``reason``, the ``CorruptPayload`` that ``decode``
+raised (a header that fails its own validation, a tensor whose bytes changed, metadata or shapes
+that do not describe a payload, a codec's output that does not decode). Works on raw payloads and
+on any codec's output (int8 codes and scales are tensors like any other).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import json
 import re
 
 from kvrelay.core.errors import CorruptPayload
+from kvrelay.kv.codecs import raw_nbytes_of
 from kvrelay.kv.layout import SLIDING, TOKEN_TENSORS
-from kvrelay.kv.wire import Source, read_header, tensor_intact, unpack
+from kvrelay.kv.wire import Source, decode, read_header, tensor_intact, unpack
 
 _LAYER = re.compile(r"^layers\.(\d+)\.([kv])(?:\.(.+))?$")
 
@@ -25,14 +28,14 @@ def _meta_values(meta: dict[str, str]) -> dict:
     for k, v in meta.items():
         try:
             out[k] = json.loads(v) if v[:1] in "[{0123456789-" or v in ("null", "true", "false") else v
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser follows
             out[k] = v
     return out
 
 
 def _layers(h, meta: dict) -> list[dict]:
     """Per held layer: its model index, type, and the tensors (name, dtype, shape) that encode it."""
-    idx, types = meta.get("layer_indices", []), meta.get("layer_types", [])
+    idx, types = (meta.get(k) if isinstance(meta.get(k), list) else [] for k in ("layer_indices", "layer_types"))
     rows: dict[int, dict] = {}
     for name, e in sorted(h.tensors.items()):
         m = _LAYER.match(name)
@@ -77,11 +80,17 @@ def describe(data: Source) -> dict:
         return {"status": "corrupt", "reason": str(e), "bytes": {"file": size}}
     meta = _meta_values(h.meta)
     bad = [n for n in sorted(h.tensors) if not tensor_intact(data, h, n)]
+    try:
+        decode(data)
+        reason = None
+    except CorruptPayload as e:
+        reason = str(e)
     tensor_bytes = {n: e.end - e.begin for n, e in h.tensors.items()}
     layers = _layers(h, meta)
     ids = h.tensors.get("token_ids")
     return {
-        "status": "ok" if not bad else "corrupt",
+        "status": "ok" if reason is None else "corrupt",
+        **({} if reason is None else {"reason": reason}),
         "header": {"format": h.meta.get("format"), "header_bytes": h.data_start, "tensors": len(h.tensors)},
         "meta": meta,
         "codec": h.meta.get("codec", "raw"),
@@ -90,6 +99,6 @@ def describe(data: Source) -> dict:
         "layout": _layout(data, h, h.meta.get("codec", "raw"), layers),
         "bytes": {"file": size, "data": size - h.data_start, "kv": sum(r["bytes"] for r in layers),
                   "tokens": sum(tensor_bytes.get(n, 0) for n in TOKEN_TENSORS),
-                  "raw_fp32": int(meta["codec_raw_nbytes"]) if "codec_raw_nbytes" in meta else None},
+                  "raw_fp32": (raw_nbytes_of(h.meta) or None) if reason is None else None},
         "checksum": {"root": "ok", "tensors_verified": len(h.tensors) - len(bad), "bad": bad},
     }

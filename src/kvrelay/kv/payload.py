@@ -27,6 +27,9 @@ from kvrelay.kv.layout import LAYER_TYPES, held_tokens, tensor_name
 from kvrelay.models.identity import ModelIdentity, RopeSpec
 
 FORMAT = "kvrelay/1"
+# Positions of real tokens lie in [0, MAX_POSITION]: far past any model's context, and small enough that
+# the next position (+1), the RoPE phases and every int32 index a kernel uses stay exact.
+MAX_POSITION = 2**31 - 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -127,7 +130,9 @@ class PayloadMeta:
 
 
 def _bad(name: str, want: str, got: object) -> CorruptPayload:
-    return CorruptPayload(f"metadata field {name!r}: expected {want}, got {got!r}")
+    shown = repr(got)
+    shown = shown if len(shown) <= 120 else shown[:117] + "..."  # a hostile value can be megabytes long
+    return CorruptPayload(f"metadata field {name!r}: expected {want}, got {shown}")
 
 
 def _is_int(v: object) -> bool:
@@ -167,7 +172,7 @@ def _field(name: str, s: object):
         return s
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _bad(name, "JSON", s) from None
     if name == "num_model_layers":
         if not _is_int(v) or v < 1:
@@ -199,6 +204,40 @@ def _field(name: str, s: object):
     raise _bad(name, "a known metadata field", s)  # pragma: no cover - every field is handled above
 
 
+def check_tokens(token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """The rules of a payload's token tensors (every codec's output carries them as they are); returns (B, T).
+
+    token_ids / positions int64 and mask bool, all (B, T); the mask left-padded with at least one
+    real token per row; on real slots, positions strictly increasing in [0, MAX_POSITION] and
+    token ids >= 0. ``ValueError`` saying which rule failed.
+    """
+    if token_ids.ndim != 2:
+        raise ValueError(f"token_ids must be (B, T), got shape {tuple(token_ids.shape)}")
+    B, T = token_ids.shape
+    for name, t, dt in (("positions", positions, torch.int64), ("mask", mask, torch.bool),
+                        ("token_ids", token_ids, torch.int64)):
+        if tuple(t.shape) != (B, T):
+            raise ValueError(f"{name} must be (B, T) = {(B, T)}, got {tuple(t.shape)}")
+        if t.dtype != dt:
+            raise ValueError(f"{name} must be {dt}, got {t.dtype}")
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("every row must hold at least one real token (mask all False on a row)")
+    real = positions[mask]
+    if bool(((real < 0) | (real > MAX_POSITION)).any()):
+        raise ValueError(f"positions of real tokens must lie in [0, {MAX_POSITION}], got "
+                         f"{int(real.min())}..{int(real.max())}")
+    if bool((token_ids[mask] < 0).any()):
+        raise ValueError("token_ids of real tokens must be >= 0")
+    if T > 1:
+        valid_pairs = mask[:, 1:] & mask[:, :-1]
+        steps = positions[:, 1:] - positions[:, :-1]
+        if bool((steps[valid_pairs] <= 0).any()):
+            raise ValueError("positions must be strictly increasing on valid (mask=True) slots")
+    if bool((mask[:, 1:].int() < mask[:, :-1].int()).any()):
+        raise ValueError("mask must be left-padded: a padding slot (False) after a real token (True)")
+    return B, T
+
+
 @dataclass(frozen=True, slots=True)
 class KVPayload:
     keys: tuple[torch.Tensor, ...]  # per held layer (B, H_kv, T_l, D)
@@ -214,15 +253,7 @@ class KVPayload:
             raise ValueError(f"{len(self.keys)} key layers but {len(self.values)} value layers")
         if len(self.keys) != len(m.layer_indices):
             raise ValueError(f"{len(self.keys)} layers of tensors but meta lists {len(m.layer_indices)} layers")
-        if self.token_ids.ndim != 2:
-            raise ValueError(f"token_ids must be (B, T), got shape {tuple(self.token_ids.shape)}")
-        B, T = self.token_ids.shape
-        for name, t, dt in (("positions", self.positions, torch.int64), ("mask", self.mask, torch.bool),
-                            ("token_ids", self.token_ids, torch.int64)):
-            if tuple(t.shape) != (B, T):
-                raise ValueError(f"{name} must be (B, T) = {(B, T)}, got {tuple(t.shape)}")
-            if t.dtype != dt:
-                raise ValueError(f"{name} must be {dt}, got {t.dtype}")
+        B, T = check_tokens(self.token_ids, self.positions, self.mask)
         want = DTYPES[m.dtype]
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k.ndim != 4 or k.shape != v.shape:
@@ -235,13 +266,6 @@ class KVPayload:
                 raise ValueError(
                     f"layer {i} ({m.layer_types[i]}): holds {k.shape[2]} tokens, expected {self.held_tokens(i)} of T={T}"
                 )
-        if T > 1:
-            valid_pairs = self.mask[:, 1:] & self.mask[:, :-1]
-            steps = self.positions[:, 1:] - self.positions[:, :-1]
-            if bool((steps[valid_pairs] <= 0).any()):
-                raise ValueError("positions must be strictly increasing on valid (mask=True) slots")
-        if bool((self.mask[:, 1:].int() < self.mask[:, :-1].int()).any()):
-            raise ValueError("mask must be left-padded: a padding slot (False) after a real token (True)")
 
     # -- derived facts -------------------------------------------------------------------------
     @property

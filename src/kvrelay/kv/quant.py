@@ -34,6 +34,17 @@ def codec_name(bits: int, group_size: int) -> str:
     return f"int{bits}-g{group_size}"
 
 
+def quantized_shapes(B: int, H: int, T: int, D: int, bits: int, group_size: int
+                     ) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The shapes of ``codes`` / ``scale`` / ``zero`` of a layer's K (``"k"``) and V (``"v"``) quantized
+    from float tensors (B, H, T, D): the layout ``quantize_tensor`` writes and a reader must find."""
+    codes = (B, H, T, -(-D // 2) if bits == 4 else D)
+    key_stats = (B, H, -(-T // group_size), D)  # per channel, groups of G tokens
+    value_stats = (B, H, T, -(-D // group_size))  # per token, groups of G channels
+    return {"k": {"codes": codes, "scale": key_stats, "zero": key_stats},
+            "v": {"codes": codes, "scale": value_stats, "zero": value_stats}}
+
+
 @dataclass(frozen=True, slots=True)
 class QuantizedTensor:
     """One K or V tensor of one layer, quantized. ``shape`` is the float tensor's (B, H, T_l, D)."""

@@ -22,19 +22,21 @@ Codecs add side tensors of their own through ``pack``/``unpack``. ``__metadata__
 
 Reading validates before allocating: the header length against a limit, the JSON, the dtype
 allow-list, that the tensors tile the data section exactly, the root checksum, the shapes
-against the metadata; then each tensor it reads against its digest. Every failure is a
-``CorruptPayload`` saying what was expected; a payload for another model is ``IncompatiblePayload``.
+against the metadata and its codec (``kv.wire_layout``); then each tensor it reads against its
+digest; then the payload invariants. Every failure is a ``CorruptPayload`` saying what was expected;
+a payload for another model is ``IncompatiblePayload``.
 
-The code is in three files: ``kv.wire_header`` (dtype tables, checksums, header validation),
-``kv.wire_encode`` (``pack``, ``encode``, ``save``) and ``kv.wire_decode`` (``unpack``, ``decode``,
-``load``). This module is the one to import: it holds every public name.
+The code is in four files: ``kv.wire_header`` (dtype tables, checksums, header validation),
+``kv.wire_layout`` (which tensors each codec's output holds), ``kv.wire_encode`` (``pack``, ``encode``,
+``save``) and ``kv.wire_decode`` (``unpack``, ``decode``, ``load``, ``decode_compressed``). This
+module is the one to import: it holds every public name.
 """
 
 from __future__ import annotations
 
 from kvrelay.kv.payload import FORMAT, KVPayload, PayloadMeta, payload_tensors
-from kvrelay.kv.wire_decode import Names, decode, load, unpack
-from kvrelay.kv.wire_encode import atomic_write, encode, encode_parts, pack, pack_parts, save
+from kvrelay.kv.wire_decode import Names, decode, decode_compressed, load, unpack
+from kvrelay.kv.wire_encode import atomic_write, encode, encode_parts, pack, pack_parts, save, write_temp
 from kvrelay.kv.wire_header import (
     INTEGRITY_KEYS,
     MAX_HEADER_BYTES,
@@ -49,6 +51,6 @@ from kvrelay.kv.wire_header import (
 
 __all__ = [
     "FORMAT", "INTEGRITY_KEYS", "MAX_HEADER_BYTES", "MAX_TOTAL_BYTES", "Header", "KVPayload", "Names", "PayloadMeta",
-    "Source", "TensorEntry", "atomic_write", "decode", "encode", "encode_parts", "load", "pack", "pack_parts",
-    "payload_tensors", "read_header", "read_meta", "save", "tensor_intact", "unpack",
+    "Source", "TensorEntry", "atomic_write", "decode", "decode_compressed", "encode", "encode_parts", "load", "pack", "pack_parts",
+    "payload_tensors", "read_header", "read_meta", "save", "tensor_intact", "unpack", "write_temp",
 ]

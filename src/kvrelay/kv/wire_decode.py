@@ -1,8 +1,11 @@
 """Reading ``kvrelay/1``: named tensors (``unpack``) or a ``KVPayload`` (``decode``, ``load``), whole or in part.
 
-Validation order (``kv.wire``): the header first (``kv.wire_header``), then the shapes and dtypes
-against the metadata, then each tensor read against its own digest. Only the selected bytes are
-copied; nothing is a view of the source.
+Validation order (``kv.wire``): the header first (``kv.wire_header``), then the tensors' names,
+shapes and dtypes against the metadata and its codec (``kv.wire_layout``), then each tensor read
+against its own digest, then the payload invariants (``KVPayload``). Only the selected bytes are
+copied; nothing is a view of the source. ``decode`` and ``load`` read any codec's output: a raw
+payload directly, anything else (``fp16``, ``int8``, ``evict:F+…``) through ``codecs.decompress``,
+so what comes back is always a float payload with codec ``raw``.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import numpy as np
 import torch
 
 from kvrelay.core.errors import CorruptPayload
+from kvrelay.kv.codecs import Compressed, decompress
 from kvrelay.kv.compat import check_meta
-from kvrelay.kv.layout import TOKEN_TENSORS, held_tokens, kv_tensor_names, tensor_name
-from kvrelay.kv.payload import KVPayload, PayloadMeta
+from kvrelay.kv.layout import held_tokens, tensor_name
+from kvrelay.kv.payload import KVPayload, PayloadMeta, check_tokens
+from kvrelay.kv.transforms import select_layers, select_tokens
 from kvrelay.kv.wire_header import (
-    _PAYLOAD_DTYPE_CODES,
     MAX_HEADER_BYTES,
     MAX_TOTAL_BYTES,
     Header,
@@ -30,6 +34,7 @@ from kvrelay.kv.wire_header import (
     _reader,
     _tensor_digest,
 )
+from kvrelay.kv.wire_layout import check_layout
 from kvrelay.models.identity import ModelIdentity
 
 
@@ -100,33 +105,8 @@ def _held(m: PayloadMeta, j: int, T: int) -> int:
     return held_tokens(m.layer_types[j], m.sliding_window, T)
 
 
-def _check_layout(h: Header, m: PayloadMeta) -> tuple[int, int]:
-    """Shapes and dtypes in the header against the metadata, before reading anything; returns (B, T)."""
-    t = h.tensors
-    need = [*TOKEN_TENSORS, *kv_tensor_names(len(m.layer_indices))]
-    missing = [n for n in need if n not in t]
-    if missing:
-        raise CorruptPayload(f"payload lacks tensors {missing} (metadata lists {len(m.layer_indices)} layers)")
-    ids = t["token_ids"]
-    if len(ids.shape) != 2:
-        raise CorruptPayload(f"token_ids has shape {list(ids.shape)}, expected (B, T)")
-    B, T = ids.shape
-    if B == 0 or T == 0:
-        raise CorruptPayload(f"token_ids has shape {[B, T]}: a payload holds at least one row of one token")
-    for name, code in (("token_ids", "I64"), ("positions", "I64"), ("mask", "BOOL")):
-        if t[name].dtype != code or t[name].shape != (B, T):
-            raise CorruptPayload(f"{name} is {t[name].dtype} {list(t[name].shape)}, expected {code} {[B, T]}")
-    want = _PAYLOAD_DTYPE_CODES[m.dtype]
-    for j in range(len(m.layer_indices)):
-        k, v = t[tensor_name(j, "k")], t[tensor_name(j, "v")]
-        for name, e in ((tensor_name(j, "k"), k), (tensor_name(j, "v"), v)):
-            if e.dtype != want:
-                raise CorruptPayload(f"{name} is stored as {e.dtype} but the metadata declares dtype {m.dtype} ({want})")
-        held = _held(m, j, T)
-        if len(k.shape) != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2] != held:
-            raise CorruptPayload(f"layer {j} ({m.layer_types[j]}): k {list(k.shape)} / v {list(v.shape)}, "
-                                 f"expected equal (B={B}, H, T_l={held}, D)")
-    return B, T
+def _specs(h: Header) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {n: (e.dtype, e.shape) for n, e in h.tensors.items()}
 
 
 def _layer_positions(m: PayloadMeta, layers: range | slice | None) -> list[int]:
@@ -161,12 +141,18 @@ def _slots(m: PayloadMeta, j: int, T: int, r: range) -> slice:
     return slice(r.stop - keep - start, r.stop - start)
 
 
+def _invariants(e: ValueError) -> CorruptPayload:
+    return CorruptPayload(f"tensors violate the payload invariants: {e}")
+
+
 def _decode(buf: memoryview, h: Header, expect, layers, tokens, verify: bool) -> KVPayload:
     m = _payload_meta(h)
     _check_expected(m, expect)
-    B, T = _check_layout(h, m)
+    B, T = check_layout(_specs(h), m)  # every codec's tensors, before a byte is read
     js = _layer_positions(m, layers)
     r = _token_range(T, tokens)
+    if m.codec != "raw":
+        return _decode_codec(buf, h, m, js, r, verify)
 
     def read(name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         return _read(buf, h, name, verify, index)
@@ -183,7 +169,29 @@ def _decode(buf: memoryview, h: Header, expect, layers, tokens, verify: bool) ->
         return KVPayload(tuple(keys), tuple(values), read("token_ids", cols), read("positions", cols),
                          read("mask", cols), meta)
     except ValueError as e:
-        raise CorruptPayload(f"tensors violate the payload invariants: {e}") from None
+        raise _invariants(e) from None
+
+
+def _compressed(buf: memoryview, h: Header, verify: bool) -> Compressed:
+    """A codec's output, every tensor read (and verified), its token tensors checked (``check_tokens``);
+    the layout was checked by the caller."""
+    t = {n: _read(buf, h, n, verify) for n in sorted(h.tensors)}
+    try:
+        check_tokens(t["token_ids"], t["positions"], t["mask"])
+    except ValueError as e:
+        raise _invariants(e) from None
+    return Compressed.from_wire(t, h.meta)
+
+
+def _decode_codec(buf: memoryview, h: Header, m: PayloadMeta, js: list[int], r: range, verify: bool) -> KVPayload:
+    """Decompress a codec's output to a raw payload, then keep held layers ``js`` and slots ``r``."""
+    try:
+        p = decompress(_compressed(buf, h, verify))
+    except ValueError as e:  # the payload invariants of what the codec restored
+        raise _invariants(e) from None
+    if len(js) != len(m.layer_indices):
+        p = select_layers(p, [m.layer_indices[j] for j in js])
+    return p if len(r) == p.num_tokens else select_tokens(p, list(r))
 
 
 def decode(data: Source, *, expect: ModelIdentity | None = None, layers: range | slice | None = None,
@@ -196,6 +204,17 @@ def decode(data: Source, *, expect: ModelIdentity | None = None, layers: range |
     buf = memoryview(data).cast("B")
     h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=max_total_bytes)
     return _decode(buf, h, expect, layers, tokens, verify=True)
+
+
+def decode_compressed(data: Source, *, expect: ModelIdentity | None = None,
+                      max_header_bytes: int = MAX_HEADER_BYTES) -> Compressed:
+    """kvrelay/1 bytes of any codec's output -> ``Compressed`` (not decompressed), checked like ``decode``."""
+    buf = memoryview(data).cast("B")
+    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+    m = _payload_meta(h)
+    _check_expected(m, expect)
+    check_layout(_specs(h), m)
+    return _compressed(buf, h, verify=True)
 
 
 def load(path: str | os.PathLike, *, expect: ModelIdentity | None = None, layers: range | slice | None = None,

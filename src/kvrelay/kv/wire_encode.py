@@ -85,11 +85,9 @@ def encode_parts(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -
     return pack_parts(payload_tensors(p), {**meta, **(extra_meta or {})})
 
 
-def atomic_write(path: str | os.PathLike, data: Source | Sequence[Source], *, fsync: bool = True) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
-
-    Readers see the old file or the new one, never a partial one (rename is atomic on POSIX).
-    """
+def write_temp(path: str | os.PathLike, data: Source | Sequence[Source], *, fsync: bool = True) -> Path:
+    """Write ``data`` to a fresh temporary file beside ``path`` and return its name (nothing visible at
+    ``path`` yet: ``os.replace`` it there). On any failure (a full disk) the temporary file is removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
@@ -99,6 +97,19 @@ def atomic_write(path: str | os.PathLike, data: Source | Sequence[Source], *, fs
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def atomic_write(path: str | os.PathLike, data: Source | Sequence[Source], *, fsync: bool = True) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
+
+    Readers see the old file or the new one, never a partial one (rename is atomic on POSIX).
+    """
+    tmp = write_temp(path, data, fsync=fsync)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

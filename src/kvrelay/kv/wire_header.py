@@ -86,6 +86,8 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
         header = json.loads(bytes(read(8, n)).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptPayload(f"header is not valid UTF-8 JSON ({e}); expected a safetensors header") from None
+    except RecursionError:
+        raise CorruptPayload("header JSON is nested too deeply; expected a safetensors header") from None
     if not isinstance(header, dict):
         raise CorruptPayload(f"header is a JSON {type(header).__name__}, expected an object")
     meta = header.pop("__metadata__", None)
@@ -111,7 +113,7 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
         raise CorruptPayload(f"tensors cover {end} bytes but the data section has {data_len}")
     try:
         digests = json.loads(meta["tensor_sha256"])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise CorruptPayload("tensor_sha256 metadata is not JSON") from None
     if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CorruptPayload("tensor_sha256 metadata does not list exactly the file's tensors")

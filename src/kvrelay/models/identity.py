@@ -42,6 +42,7 @@ class ModelIdentity:
     sliding_window: int | None
     rope: tuple[RopeSpec, ...]  # one per distinct layer type
     engine: str = "fp32"  # kernel mode (``models.engine``): caches of one mode are refused by another
+    vocab_size: int | None = None  # rows of the input embedding: token ids a receiver can read (None: unknown)
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:
@@ -125,4 +126,11 @@ def model_identity(model, tokenizer=None, weights_sha256: str | None = None) -> 
         layer_types=layer_types,
         sliding_window=window,
         rope=_rope_specs(model, layer_types),
+        vocab_size=_vocab_size(model, cfg),
     )
+
+
+def _vocab_size(model, cfg) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None) or getattr(cfg, "vocab_size", None)
+    return int(n) if n else None

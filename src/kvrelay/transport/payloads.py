@@ -16,13 +16,20 @@ Either side may sign (``signer=``) or require a signature (``keys=``): ``kv.sign
 
 from __future__ import annotations
 
+from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv import codecs, wire
-from kvrelay.kv.compat import check_meta
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.sign import Key, Keyring, check_signature, sign_parts
 from kvrelay.models.identity import ModelIdentity
 from kvrelay.transport.bytestore import ByteStore
-from kvrelay.transport.keys import key_for, payload_key, prefix_entries, sequence_hash, single_sequence
+from kvrelay.transport.keys import (
+    key_for,
+    parse_key,
+    payload_key,
+    prefix_entries,
+    sequence_hash,
+    single_sequence,
+)
 
 
 def _full_hash(p: KVPayload) -> str:
@@ -76,31 +83,47 @@ def save_payload(path, payload: KVPayload | codecs.Compressed, codec: str = "raw
 
 
 def decode_bytes(data, *, expect: ModelIdentity | None = None, keys: Keyring | None = None) -> KVPayload:
-    """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload``.
+    """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload`` (``wire.decode``).
 
     ``keys``: a non-empty keyring requires a signature by one of its keys (``kv.sign.check_signature``:
     ``UnsignedPayload`` / ``BadSignature`` naming the producer), checked from the header before any
     tensor is read."""
     if keys:
         check_signature(data, keys)
-    meta = wire.read_meta(data)
-    if meta.get("codec", "raw") == "raw":
-        return wire.decode(data, expect=expect)
-    c = compressed_from_bytes(data)
-    if expect is not None:
-        check_meta(c.meta, expect)
-    return codecs.decompress(c)
+    return wire.decode(data, expect=expect)  # any codec's output (kv.wire_decode)
 
 
 def compressed_from_bytes(data) -> codecs.Compressed:
-    """kvrelay/1 bytes -> ``Compressed`` (every tensor digest verified), without decompressing."""
-    return codecs.Compressed.from_wire(*wire.unpack(data))
+    """kvrelay/1 bytes -> ``Compressed`` (layout and every tensor digest verified), without decompressing."""
+    return wire.decode_compressed(data)
+
+
+def check_content_key(key: str, p: KVPayload, codec: str) -> None:
+    """Bytes found under a content key (``keys.payload_key``, ``+CODEC`` for a codec's output) must be what
+    that key names: the codec, the model and — when the codec keeps every token — the tokens themselves.
+    Eviction drops tokens, so under an ``evict…`` codec only the codec and the model are checked. Any
+    other key (one a caller chose) is not a claim about the content and is not checked."""
+    base, _, suffix = key.partition("+")
+    try:
+        k = parse_key(base)
+    except ValueError:
+        return
+    if suffix != ("" if codec == "raw" else codec):
+        raise CorruptPayload(f"bytes under key {key!r} are the output of codec {codec!r}; the key names "
+                             f"codec {suffix or 'raw'!r}")
+    if not p.meta.model_fingerprint.startswith(k.fingerprint_prefix):
+        raise CorruptPayload(f"bytes under key {key!r} were made by model {p.meta.model_fingerprint[:16]}…; the key "
+                             f"names model {k.fingerprint_prefix}…")
+    ids = single_sequence(p)
+    if codecs.parse(codec).keeps_tokens and (ids is None or key_for(p.meta.model_fingerprint, ids) != base):
+        raise CorruptPayload(f"bytes under key {key!r} encode other tokens than the key names (another payload's "
+                             "bytes were written under it)")
 
 
 def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = None,
                 keys: Keyring | None = None) -> KVPayload:
-    """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it);
-    ``keys`` as in ``decode_bytes``."""
+    """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it), checked to
+    be what a content key names (``check_content_key``); ``keys`` as in ``decode_bytes``."""
     return get_payload_sized(store, key, expect=expect, keys=keys)[0]
 
 
@@ -109,7 +132,9 @@ def get_payload_sized(store: ByteStore, key: str, *, expect: ModelIdentity | Non
     """``get_payload`` and the number of bytes it read: what the put wrote, the bytes that crossed the wire
     (an fp16 or int8 payload's own size, not its decoded fp32 size)."""
     data = store.get_bytes(key)
-    return decode_bytes(data, expect=expect, keys=keys), memoryview(data).nbytes
+    p = decode_bytes(data, expect=expect, keys=keys)
+    check_content_key(key, p, wire.read_meta(data).get("codec", "raw"))
+    return p, memoryview(data).nbytes
 
 
 def get_compressed(store: ByteStore, key: str) -> codecs.Compressed:
