@@ -95,11 +95,14 @@ def test_inspect_verifies_each_tensor(tmp_path, codec):
     path.write_bytes(bytes(data))
     r = kvrelay("inspect", str(path), "--json", "-", check=False)
     bad = json.loads(r.stdout)
-    assert r.returncode == 1 and bad["status"] == "corrupt" and len(bad["checksum"]["bad"]) == 1
+    assert r.returncode == 2 and bad["status"] == "corrupt" and len(bad["checksum"]["bad"]) == 1
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [r.stderr.strip().splitlines()[-1]]
+    assert "sha256 mismatch" in r.stderr
     data[20] ^= 0x01  # inside the header: the root checksum no longer matches
     path.write_bytes(bytes(data))
     r = kvrelay("inspect", str(path), "--json", "-", check=False)
-    assert r.returncode == 1 and json.loads(r.stdout)["status"] == "corrupt" and "reason" in json.loads(r.stdout)
+    assert r.returncode == 2 and json.loads(r.stdout)["status"] == "corrupt" and "reason" in json.loads(r.stdout)
+    assert r.stderr.strip().splitlines()[-1].startswith("error:")
 
 
 @pytest.mark.integration

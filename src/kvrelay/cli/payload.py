@@ -42,14 +42,21 @@ def _codec(name: str):
     return codecs.parse(name)
 
 
-def _store_url(url: str | None, flag: str = "--store") -> str | None:
+def _store(url: str | None, *, write: bool = False, flag: str = "--store"):
+    """The store ``url`` names, opened and checked (reachable; writable with ``write``) before any model loads:
+    no server, a bad database, a read-only folder or a path under a file is one ``error:`` line."""
     if url is None:
         return None
-    from kvrelay.transport.stores import STORE_URLS
+    from kvrelay.transport.stores import STORE_URLS, open_store
 
     if not url.strip():
         raise v.InvalidInput(f"{flag} is empty", f"a store URL: {', '.join(STORE_URLS)}")
-    return url
+    store = open_store(url)
+    store.check(write=write)
+    return store
+
+
+MAX_NEW_TOKENS = 1 << 20  # an answer longer than any model's context: the position limit refuses sooner
 
 
 def _write_json(path: Path | None, obj: dict) -> None:
@@ -83,12 +90,11 @@ def read_cmd(
         raise v.InvalidInput("give the destination once" if out is not None else "no destination given",
                              "either --out FILE or --store URL")
     v.writable_path(out, "--out")
-    _store_url(store)
     v.engine(engine)
-    v.model(model)
-    if ttl is not None and not ttl > 0:
-        raise v.InvalidInput(f"--ttl {ttl}", "a positive number of seconds")
+    ref = v.model(model)
+    v.seconds(ttl, "--ttl")
     c = _codec(codec)
+    v.codec_layers(c, v.num_layers(ref))
     from kvrelay.kv.sign import keyring_from
 
     keys = keyring_from(keys_file)
@@ -96,17 +102,19 @@ def read_cmd(
     if keys and signer is None:
         raise v.InvalidInput("the keys hold no key that may sign for producer 'sender'",
                              "an hmac or ed25519-private key line (producers= unset or naming sender)")
+    st = _store(store, write=True)
 
     from kvrelay.agents.agent import READER_ROLE, Agent
     from kvrelay.cli.common import load_for_cli
     from kvrelay.transport.payloads import save_payload
-    from kvrelay.transport.stores import open_store, put_payload
+    from kvrelay.transport.stores import put_payload
 
     lm = load_for_cli(model, None, engine)
+    v.codec_layers(c, lm.identity.num_layers)
     payload = Agent(lm, "sender", role=READER_ROLE).read(text_in)
     note(f"read {payload.num_tokens} tokens on {model} ({payload.nbytes / 1e6:.1f} MB as {payload.meta.dtype})")
-    if store is not None:
-        print(put_payload(open_store(store), payload, c.name, ttl_s=ttl, model=lm.model, signer=signer))
+    if st is not None:
+        print(put_payload(st, payload, c.name, ttl_s=ttl, model=lm.model, signer=signer))
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     save_payload(out, payload, c.name, signer=signer, model=lm.model)
@@ -138,28 +146,32 @@ def respond_cmd(
                              "--payload FILE, or --key KEY with --store URL")
     v.nonempty_text(question, "--question")
     v.choice(layout, "--layout", LAYOUTS)
-    v.positive(max_new_tokens, "--max-new-tokens")
+    v.positive(max_new_tokens, "--max-new-tokens", maximum=MAX_NEW_TOKENS)
     v.engine(engine)
-    v.model(model)
+    ref = v.model(model)
+    v.fits(ref, max_new_tokens, "--max-new-tokens")
     v.positive(verify, "--verify", 2)
-    _store_url(store)
     from kvrelay.kv.sign import keyring_from
 
     keys = keyring_from(keys_file)
+    st = _store(store)
     data = _map(payload) if payload is not None else None
 
     from kvrelay.agents.agent import Agent
     from kvrelay.agents.verify import VerifySpec
     from kvrelay.cli.common import load_for_cli
     from kvrelay.kv.wire import read_meta
-    from kvrelay.transport.payloads import decode_bytes
-    from kvrelay.transport.stores import open_store
+    from kvrelay.transport.payloads import check_content_key, decode_bytes
 
     lm = load_for_cli(model, None, engine)
     if data is None:
-        data = open_store(store).get_bytes(key)
+        data = st.get_bytes(key)
     p = decode_bytes(data, expect=lm.identity, keys=keys)
-    spec = VerifySpec(k=verify, codec=read_meta(data).get("codec", "raw")) if verify is not None else None
+    codec = read_meta(data).get("codec", "raw")
+    if key is not None:
+        check_content_key(key, p, codec)
+    v.fits(ref, max_new_tokens, "--max-new-tokens", reserve=int(p.next_positions.max()))
+    spec = VerifySpec(k=verify, codec=codec) if verify is not None else None
     r = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens, verify=spec).respond(question, p,
                                                                                            layout=layout)
     note(f"{p.num_tokens} relayed tokens, TTFT {r.ttft_s:.3f}s")
@@ -175,33 +187,40 @@ def inspect_cmd(
     store: str = typer.Option(None, help="read TARGET as a key from this store"),
     json_path: Path = typer.Option(None, "--json", help="write the description as JSON ('-': stdout)"),
 ) -> None:
-    """Header, metadata, layers, tokens, bytes, codec and checksums of a payload, verified tensor by tensor."""
-    from kvrelay.kv.describe import describe
-    from kvrelay.transport.stores import open_store
+    """Header, metadata, layers, tokens, bytes, codec and checksums of a payload, verified tensor by tensor.
 
-    data = open_store(_store_url(store)).get_bytes(target) if store is not None else _map(Path(target), "TARGET")
+    A payload that `kvrelay respond` would refuse is reported (JSON included) and then refused: one
+    `error:` line, exit status 2."""
+    from kvrelay.core.errors import CorruptPayload
+    from kvrelay.kv.describe import describe
+
+    data = _store(store).get_bytes(target) if store is not None else _map(Path(target), "TARGET")
     d = describe(data)
-    _print_description(target, d, Console(stderr=str(json_path) == "-"))
+    if "header" in d:
+        _print_description(target, d, Console(stderr=str(json_path) == "-"))
     _write_json(json_path, d)
     if d["status"] != "ok":
-        raise typer.Exit(1)
+        raise CorruptPayload(f"{target}: {d['reason']}")
+
+
+def _short(value: object, n: int = 64) -> str:
+    """A metadata value as printed: the file is untrusted, so long values are cut."""
+    text = v.one_line(value)
+    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 def _print_description(target: str, d: dict, console: Console) -> None:
-    if d["status"] == "corrupt" and "header" not in d:
-        console.print(f"[red]{target}: corrupt[/red] — {d['reason']}")
-        return
     m, b, ck = d["meta"], d["bytes"], d["checksum"]
-    lines = [f"{target}: {d['header']['format']}, codec {d['codec']}, {d['header']['tensors']} tensors, "
+    lines = [f"{target}: {d['header']['format']}, codec {_short(d['codec'])}, {d['header']['tensors']} tensors, "
              f"header {d['header']['header_bytes']} B",
-             f"model {str(m.get('model_fingerprint', '?'))[:16]}… ({m.get('arch')}, {m.get('num_model_layers')} layers), "
-             f"producer {m.get('producer')!r} round {m.get('round')}, dtype {m.get('dtype')}, engine "
-             f"{m.get('engine', 'fp32')}",
+             f"model {_short(m.get('model_fingerprint', '?'), 16)} ({_short(m.get('arch'))}, "
+             f"{_short(m.get('num_model_layers'))} layers), producer {_short(repr(m.get('producer')))} round "
+             f"{_short(m.get('round'))}, dtype {_short(m.get('dtype'))}, engine {_short(m.get('engine', 'fp32'))}",
              f"tokens: batch {d['tokens']['batch']} x {d['tokens']['slots']} slots" if d["tokens"] else "tokens: none",
-             f"layers held: {len(d['layers'])} ({', '.join(sorted({str(r['type']) for r in d['layers']}))})",
+             f"layers held: {len(d['layers'])} ({_short(', '.join(sorted({str(r['type']) for r in d['layers']})))})",
              f"bytes: file {b['file']:,}, K/V {b['kv']:,}, tokens {b['tokens']:,}"
              + (f", fp32 before the codec {b['raw_fp32']:,}" if b["raw_fp32"] else ""),
              f"checksum: root {ck['root']}, {ck['tensors_verified']} tensors verified"
-             + (f", [red]{len(ck['bad'])} damaged: {', '.join(ck['bad'])}[/red]" if ck["bad"] else "")]
-    for line in lines:
-        console.print(line)
+             + (f", {len(ck['bad'])} damaged: {_short(', '.join(ck['bad']), 200)}" if ck["bad"] else "")]
+    for line in lines:  # plain text: metadata may hold rich markup
+        console.print(line, markup=False, highlight=False, style="red" if ck["bad"] and line is lines[-1] else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +40,12 @@ def choice(value: str, flag: str, known: Sequence[str]) -> str:
     return value
 
 
-def positive(n: int | None, flag: str, minimum: int = 1) -> int | None:
-    """``n`` (None passes: an option left at its default) must be an integer >= ``minimum``."""
+def positive(n: int | None, flag: str, minimum: int = 1, maximum: int | None = None) -> int | None:
+    """``n`` (None passes: an option left at its default) must be an integer >= ``minimum`` (and <= ``maximum``)."""
     if n is not None and n < minimum:
         raise InvalidInput(f"{flag} {n} is too small", f"an integer >= {minimum}")
+    if n is not None and maximum is not None and n > maximum:
+        raise InvalidInput(f"{flag} {n} is too large", f"an integer from {minimum} to {maximum:,}")
     return n
 
 
@@ -50,6 +53,13 @@ def fraction(x: float | None, flag: str) -> float | None:
     """``x`` (None passes) must be a fraction in (0, 1]."""
     if x is not None and not 0 < x <= 1:
         raise InvalidInput(f"{flag} {x:g} is not a fraction of the positions", "a number in (0, 1], such as 0.25")
+    return x
+
+
+def seconds(x: float | None, flag: str) -> float | None:
+    """A duration (None passes): a finite number of seconds > 0."""
+    if x is not None and not (math.isfinite(x) and x > 0):
+        raise InvalidInput(f"{flag} {x}", "a positive, finite number of seconds")
     return x
 
 
@@ -183,6 +193,40 @@ class ModelRef:
     kind: str  # "zoo" | "folder" | "gguf" | "tiny" | "variant" | "hub"
     config: Path | None  # its config.json when one is on disk
     max_positions: int | None  # max_position_embeddings, when known
+
+
+def _text_configs(config_path: Path | None) -> list[dict]:
+    if config_path is None or not config_path.is_file():
+        return []
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [d for d in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None) if isinstance(d, dict)]
+
+
+def num_layers(ref: ModelRef) -> int | None:
+    """The model's layer count, read from its config without loading weights (None when unknown)."""
+    if ref.kind == "tiny":
+        from kvrelay.models.tiny import parse_tiny, tiny_config
+
+        return tiny_config(parse_tiny(ref.name)[0]).num_hidden_layers
+    for d in reversed(_text_configs(ref.config)):
+        n = d.get("num_hidden_layers")
+        if type(n) is int and n > 0:
+            return n
+    return None
+
+
+def codec_layers(codec, layers: int | None, flag: str = "--codec") -> None:
+    """A codec's ``layers:SPEC`` stages must name layers the model has (``layers`` None: not known yet)."""
+    if layers is None:
+        return
+    for stage in getattr(codec, "stages", ()):
+        wanted = getattr(stage, "layers", None)
+        if wanted is not None and max(wanted) >= layers:
+            raise InvalidInput(f"{flag} {codec.name!r} keeps layer {max(wanted)} but the model has {layers} layers",
+                               f"layers from 0 to {layers - 1}")
 
 
 def max_positions(config_path: Path | None) -> int | None:

@@ -212,3 +212,12 @@ class MachineLoaded(KVRelayError):
 
 class WorkerError(KVRelayError):
     """An agent's worker process failed (it died, or a request to it raised); the message says which and why."""
+
+
+class StoreError(KVRelayError):
+    """A store cannot be reached, read or written (no server, a bad database, a read-only or full disk, a
+    hostile manifest); the message names the store and what was expected. A failed put leaves no payload."""
+
+
+class InvalidWorkflow(KVRelayError, ValueError):
+    """A workflow definition (TOML) is malformed: the message names the key and what was expected."""

@@ -47,6 +47,10 @@ class ByteStore(Protocol):
         """``(key, n)``: the stored payload of model ``fingerprint`` whose first ``n`` tokens are the
         query's first ``n``, with ``n`` as large as possible; None when nothing matches."""
 
+    def check(self, *, write: bool = False) -> None:
+        """Raise ``StoreError`` now when the store cannot be reached (or, with ``write``, written): a
+        command checks this before it loads a model."""
+
 
 def check_ttl(ttl_s: float | None) -> None:
     if ttl_s is not None and not ttl_s > 0:

@@ -11,22 +11,28 @@ filesystem). Every payload file is a plain kvrelay/1 file (``kvrelay inspect`` r
 
 ``version`` is the sha256 of the file's header (which holds every tensor digest), so a sidecar's
 expiry applies to exactly the bytes it was written with; a reader that finds the two out of step
-(a writer between its two renames) reads again. ``fsync=False`` (default) trades durability across
+(a writer between its two renames) reads again. A put writes both files under temporary names
+first and renames them into place only when both are whole, so a full or read-only disk fails the
+put with ``StoreError`` and leaves what was there before; a put that fails after the renames (its
+index entries) removes the payload it made visible. Every filesystem fault is a ``StoreError``
+naming the folder. ``fsync=False`` (default) trades durability across
 a machine crash for speed; a file torn by a crash is refused by its checksum, never used.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvrelay.core.errors import PayloadNotFound
-from kvrelay.kv.wire import atomic_write
+from kvrelay.core.errors import PayloadNotFound, StoreError
+from kvrelay.kv.wire import atomic_write, write_temp
 from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, header_bytes
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, parse_key, query_boundaries
 from kvrelay.transport.payloads import PayloadMethods
@@ -45,8 +51,27 @@ class DiskStore(PayloadMethods):
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.fsync = fsync
-        (self.root / "payloads").mkdir(parents=True, exist_ok=True)
-        (self.root / "prefix").mkdir(parents=True, exist_ok=True)
+        with self._typed("open"):
+            (self.root / "payloads").mkdir(parents=True, exist_ok=True)
+            (self.root / "prefix").mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def _typed(self, doing: str):
+        """Filesystem faults (a path under a file, a read-only or full disk, no permission) as ``StoreError``."""
+        try:
+            yield
+        except (FileNotFoundError, PayloadNotFound):
+            raise
+        except OSError as e:
+            raise StoreError(f"disk store {self.root}: cannot {doing}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); "
+                             "expected a writable folder on a filesystem with free space") from None
+
+    def check(self, *, write: bool = False) -> None:
+        """Raise ``StoreError`` now unless the folder can be read (and, with ``write``, written)."""
+        with self._typed("write" if write else "read"):
+            os.listdir(self.root / "payloads")
+            if write:
+                write_temp(self.root / "payloads" / "probe", b"kvrelay", fsync=False).unlink()
 
     def path(self, key: str) -> Path:
         """The payload file of ``key``."""
@@ -69,15 +94,29 @@ class DiskStore(PayloadMethods):
         parts = as_parts(data)
         side = {"key": key, "expires_at": self.clock() + ttl_s if ttl_s is not None else None, "full": full_hash,
                 "version": _version(parts)}
-        path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, parts, fsync=self.fsync)
-        atomic_write(self._sidecar(key), json.dumps(side).encode(), fsync=self.fsync)
-        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
-        for boundary, e in index:
-            folder = self._index_dir(boundary)
-            folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(folder / name, e.to_json().encode(), fsync=False)
+        path, sidecar = self.path(key), self._sidecar(key)
+        staged: list[Path] = []
+        with self._typed(f"write {key!r}"):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staged.append(write_temp(path, parts, fsync=self.fsync))
+                staged.append(write_temp(sidecar, json.dumps(side).encode(), fsync=self.fsync))
+            except BaseException:
+                for tmp in staged:
+                    tmp.unlink(missing_ok=True)
+                raise
+            os.replace(staged[0], path)  # the bytes, then the sidecar that describes them
+            os.replace(staged[1], sidecar)
+            try:
+                name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".json"
+                for boundary, e in index:
+                    folder = self._index_dir(boundary)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    atomic_write(folder / name, e.to_json().encode(), fsync=False)
+            except BaseException:
+                sidecar.unlink(missing_ok=True)  # a failed put leaves no payload under the key
+                path.unlink(missing_ok=True)
+                raise
 
     def _read_sidecar(self, key: str) -> dict | None:
         try:
@@ -94,7 +133,7 @@ class DiskStore(PayloadMethods):
         for _ in range(_RETRIES):
             side = self._read_sidecar(key)
             try:
-                with open(self.path(key), "rb") as f:
+                with self._typed(f"read {key!r}"), open(self.path(key), "rb") as f:
                     view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             except (FileNotFoundError, ValueError):  # ValueError: an empty file cannot be mapped
                 raise PayloadNotFound(key, self.url) from None

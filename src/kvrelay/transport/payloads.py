@@ -146,6 +146,9 @@ class PayloadMethods:
     """``put`` / ``get`` of a raw ``KVPayload`` on a byte store: the two functions above, as methods of the
     stores (``MemoryStore``, ``DiskStore``, ``RedisStore`` inherit them)."""
 
+    def check(self, *, write: bool = False) -> None:
+        """Nothing to reach (a store in this process); stores with a server or a folder override it."""
+
     def put(self, key: str, payload, ttl_s: float | None = None) -> None:
         put_payload(self, payload, ttl_s=ttl_s, key=key)
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from contextlib import contextmanager
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from kvrelay.core.errors import CorruptPayload, PayloadNotFound
+from kvrelay.core.errors import CorruptPayload, PayloadNotFound, StoreError, UnknownStore
+from kvrelay.kv.wire import MAX_HEADER_BYTES, MAX_TOTAL_BYTES
 from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, chunks
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, query_boundaries
 from kvrelay.transport.payloads import PayloadMethods
+
+# The most bytes a manifest may declare (the largest kvrelay/1 file a reader accepts) and the most chunks
+# (a 64 GiB payload in 8 MiB chunks is 8,192): a hostile manifest costs at most a bounded read.
+MAX_MANIFEST_BYTES = 8 + MAX_HEADER_BYTES + MAX_TOTAL_BYTES
+MAX_MANIFEST_CHUNKS = 65_536
+_GET_BATCH = 64  # chunks fetched per round trip: memory grows with what the manifest's size allows, no more
 
 # Add one prefix-index entry; the index hash lives as long as its longest-lived entry (-1 = forever).
 _INDEX_LUA = """
@@ -61,8 +69,30 @@ class RedisStore(PayloadMethods):
         self.url = shown if self.namespace == "kvrelay" else f"{shown}?namespace={self.namespace}"
         self.chunk_bytes = chunk_bytes
         self.max_retries = max_retries
-        self.client = redis.Redis.from_url(server, socket_read_size=1 << 20)  # big replies: fewer recv calls
+        _check_url(server)
+        try:
+            self.client = redis.Redis.from_url(server, socket_read_size=1 << 20,  # big replies: fewer recv calls
+                                               socket_connect_timeout=10)
+        except ValueError:  # what _check_url does not catch (redis-py's message may quote the password)
+            raise UnknownStore(f"{self.url!r} is not a Redis URL redis-py accepts; expected "
+                               "redis://HOST:PORT/DB with DB a number") from None
         self._add_index = self.client.register_script(_INDEX_LUA)
+
+    @contextmanager
+    def _typed(self):
+        """Redis' own errors (no server, a database out of range, out of memory, ...) as ``StoreError``."""
+        import redis
+
+        try:
+            yield
+        except redis.RedisError as e:
+            raise StoreError(f"redis store {self.url}: {type(e).__name__}: {e}; expected a Redis server "
+                             "answering at that address with that database") from None
+
+    def check(self, *, write: bool = False) -> None:
+        """Raise ``StoreError`` now unless the server answers (PING, on the database of the URL)."""
+        with self._typed():
+            self.client.ping()
 
     def _m(self, key: str) -> str:
         return f"{self.namespace}:m:{key}"
@@ -74,11 +104,15 @@ class RedisStore(PayloadMethods):
         return f"{self.namespace}:p:{boundary}"
 
     def _chunk_keys(self, key: str, manifest: dict) -> list[str]:
-        return [self._c(key, manifest["version"], i) for i in range(int(manifest["chunks"]))]
+        return [self._c(key, manifest["version"], i) for i in range(manifest["chunks"])]
 
     def put_bytes(self, key: str, data: Parts, ttl_s: float | None = None, *, index: IndexEntries = (),
                   full_hash: str = "") -> None:
         check_ttl(ttl_s)
+        with self._typed():
+            self._put(key, data, ttl_s, index, full_hash)
+
+    def _put(self, key: str, data: Parts, ttl_s: float | None, index: IndexEntries, full_hash: str) -> None:
         pieces = list(chunks(as_parts(data), self.chunk_bytes))
         px = max(1, math.ceil(ttl_s * 1000)) if ttl_s is not None else None
         version = secrets.token_hex(8)
@@ -98,48 +132,78 @@ class RedisStore(PayloadMethods):
                 self.client.delete(*self._chunk_keys(key, old_manifest))
 
     def _parse_manifest(self, key: str, raw: bytes) -> dict:
+        """The manifest's fields, bounded: chunks in [1, MAX_MANIFEST_CHUNKS] and no more than the bytes
+        (but one), size at most MAX_MANIFEST_BYTES, version a hex string."""
         try:
             m = json.loads(raw)
-            if not isinstance(m, dict) or int(m["chunks"]) < 1 or int(m["size"]) < 0:
-                raise ValueError(m)
-            return m
-        except (ValueError, KeyError, TypeError):
-            raise CorruptPayload(f"manifest of {key!r} is not a kvrelay manifest: {raw[:200]!r}") from None
+        except (ValueError, RecursionError):
+            m = None
+        ok = (isinstance(m, dict) and type(m.get("chunks")) is int and type(m.get("size")) is int
+              and isinstance(m.get("version"), str) and m["version"].isalnum() and len(m["version"]) <= 64
+              and 0 <= m["size"] <= MAX_MANIFEST_BYTES and 1 <= m["chunks"] <= min(MAX_MANIFEST_CHUNKS, max(1, m["size"])))
+        if not ok:
+            raise CorruptPayload(f"manifest of {key!r} is not a kvrelay manifest: {bytes(raw[:200])!r}; expected "
+                                 f"{{version, chunks (1..{MAX_MANIFEST_CHUNKS}), size (<= {MAX_MANIFEST_BYTES})}}")
+        return m
 
     def get_bytes(self, key: str) -> memoryview:
+        with self._typed():
+            return self._get(key)
+
+    def _get(self, key: str) -> memoryview:
         for _ in range(self.max_retries):
             raw = self.client.get(self._m(key))
             if raw is None:
                 raise PayloadNotFound(key, self.url)
             m = self._parse_manifest(key, raw)
-            pipe = self.client.pipeline(transaction=False)
-            for k in self._chunk_keys(key, m):
-                pipe.get(k)
-            parts = pipe.execute()
-            if any(part is None for part in parts):
+            parts = self._chunks(key, m)
+            if parts is None:
                 if self.client.get(self._m(key)) == raw:  # same version, chunks gone: expired or deleted
                     raise PayloadNotFound(key, self.url)
                 continue  # replaced while we read: read the new version
             data = b"".join(parts)
-            if len(data) != int(m["size"]):
+            if len(data) != m["size"]:
                 raise CorruptPayload(f"payload {key!r}: chunks hold {len(data)} bytes, manifest says {m['size']}")
             return memoryview(data)
         raise PayloadNotFound(key, self.url, f"replaced {self.max_retries} times while being read")
 
+    def _chunks(self, key: str, m: dict) -> list[bytes] | None:
+        """The manifest's chunks, fetched a batch at a time; None at the first one missing. Stops as soon
+        as they hold more bytes than the manifest declares."""
+        names, parts, got = self._chunk_keys(key, m), [], 0
+        for start in range(0, len(names), _GET_BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for k in names[start:start + _GET_BATCH]:
+                pipe.get(k)
+            batch = pipe.execute()
+            if any(part is None for part in batch):
+                return None
+            got += sum(len(part) for part in batch)
+            if got > m["size"]:
+                raise CorruptPayload(f"payload {key!r}: chunks hold more than the {m['size']} bytes the manifest says")
+            parts.extend(batch)
+        return parts
+
     def contains(self, key: str) -> bool:
-        return bool(self.client.exists(self._m(key)))
+        with self._typed():
+            return bool(self.client.exists(self._m(key)))
 
     def delete(self, key: str) -> bool:
-        raw = self.client.getdel(self._m(key))
-        if raw is None:
-            return False
-        try:
-            self.client.delete(*self._chunk_keys(key, self._parse_manifest(key, raw)))
-        except CorruptPayload:
-            pass
-        return True
+        with self._typed():
+            raw = self.client.getdel(self._m(key))
+            if raw is None:
+                return False
+            try:
+                self.client.delete(*self._chunk_keys(key, self._parse_manifest(key, raw)))
+            except CorruptPayload:
+                pass
+            return True
 
     def longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
+        with self._typed():
+            return self._longest_prefix(fingerprint, token_ids)
+
+    def _longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
         bounds = query_boundaries(fingerprint, token_ids)
         pipe = self.client.pipeline(transaction=False)
         for b in bounds:
@@ -158,7 +222,7 @@ class RedisStore(PayloadMethods):
             found.append(entries)
         for e, n in match(token_ids, found):
             raw = self.client.get(self._m(e.key))
-            if raw is not None and json.loads(raw).get("full") == e.full_hash:
+            if raw is not None and _full_hash(raw) == e.full_hash:
                 return e.key, n
             self.client.hdel(self._p(where[e]), e.key)  # stale hint; a later put of the key re-adds it
         return None
@@ -166,8 +230,9 @@ class RedisStore(PayloadMethods):
     def clear(self) -> int:
         """Delete every key of this store's namespace; returns how many."""
         n = 0
-        for batch in _batched(self.client.scan_iter(match=f"{self.namespace}:*", count=1000), 500):
-            n += self.client.delete(*batch)
+        with self._typed():
+            for batch in _batched(self.client.scan_iter(match=f"{self.namespace}:*", count=1000), 500):
+                n += self.client.delete(*batch)
         return n
 
     def close(self) -> None:
@@ -189,6 +254,31 @@ def _redacted(url: str) -> str:
     user, _, host = parts.netloc.rpartition("@")
     name = user.partition(":")[0]
     return urlunsplit((parts.scheme, f"{name}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+def _check_url(url: str) -> None:
+    """``redis[s]://[USER:PASS@]HOST[:PORT][/DB]`` with a numeric port and database: redis-py reads a database
+    that is not a number as database 0, which would put payloads where the user did not ask."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError:
+        raise UnknownStore(f"{_redacted(url)!r}: the port is not a number; expected redis://HOST:PORT/DB") from None
+    db = parts.path.strip("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise UnknownStore(f"{_redacted(url)!r}: database {db!r} is not a number; expected redis://HOST:PORT/DB with DB a "
+                           "number (0 to 15 on a default server)")
+
+
+def _full_hash(raw: bytes) -> str | None:
+    """The ``full`` field of a manifest, None when it is not one."""
+    try:
+        m = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return m.get("full") if isinstance(m, dict) else None
 
 
 def _split_namespace(url: str) -> tuple[str, str | None]:

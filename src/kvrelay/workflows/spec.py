@@ -29,10 +29,11 @@ relayed payload from its own token ids before using it (``agents.verify``); one 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 
 from kvrelay.agents.verify import VerifySpec
+from kvrelay.core.errors import InvalidWorkflow
 
 CHANNELS = ("text", "kv", "kv+text")
 LAYOUTS = ("continue", "replace")
@@ -196,17 +197,57 @@ class Workflow:
 
     @classmethod
     def from_toml(cls, text: str) -> Workflow:
-        d = tomllib.loads(text)
-        unknown = set(d) - {"name", "layout", "description", "agents", "edges"}
-        if unknown:
-            raise ValueError(f"unknown workflow keys {sorted(unknown)}")
-        return cls(name=d["name"], layout=d.get("layout", "continue"), description=d.get("description", ""),
-                   agents=tuple(AgentSpec(**a) for a in d.get("agents", [])),
-                   edges=tuple(Edge(**e) for e in d.get("edges", [])))
+        """Parse the TOML form (``to_toml``). Every key is checked against the fields it fills (names,
+        required keys, str / int types, int bounds) first, so a mistake is an ``InvalidWorkflow`` naming
+        the key, e.g. ``agents[1].max_new_tokens``, and what was expected."""
+        try:
+            d = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise InvalidWorkflow(f"not TOML: {e}") from None
+        top = {"name": "str", "layout": "str", "description": "str", "agents": "list", "edges": "list"}
+        _check_table("workflow", d, top, required=("name",))
+        agents = [_fields(f"agents[{i}]", a, AgentSpec) for i, a in enumerate(d.get("agents", []))]
+        edges = [_fields(f"edges[{i}]", e, Edge) for i, e in enumerate(d.get("edges", []))]
+        try:
+            return cls(name=d["name"], layout=d.get("layout", "continue"), description=d.get("description", ""),
+                       agents=tuple(AgentSpec(**a) for a in agents), edges=tuple(Edge(**e) for e in edges))
+        except ValueError as e:
+            raise InvalidWorkflow(str(e)) from None
 
     @classmethod
     def load(cls, path: str | Path) -> Workflow:
         return cls.from_toml(Path(path).read_text(encoding="utf-8"))
+
+
+MAX_TOKENS_IN_TOML = 1 << 20  # an int field of a workflow (max_new_tokens, ...) above this is a typo
+_EXPECTED = {"str": "a string", "int": "an integer", "list": "an array of tables"}
+
+
+def _check_table(where: str, d: object, types: dict[str, str], required: tuple[str, ...]) -> None:
+    if not isinstance(d, dict):
+        raise InvalidWorkflow(f"{where} is {d!r}; expected a table with keys among {sorted(types)}")
+    unknown = sorted(set(d) - set(types))
+    if unknown:
+        raise InvalidWorkflow(f"{where}: unknown keys {unknown}; expected keys among {sorted(types)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise InvalidWorkflow(f"{where}: missing {missing}; expected {', '.join(required)} at least")
+    for k, v in d.items():
+        want = types[k]
+        ok = {"str": isinstance(v, str), "int": type(v) is int, "list": isinstance(v, list)}.get(want, True)
+        if not ok:
+            raise InvalidWorkflow(f"{where}.{k} is {v!r}; expected {_EXPECTED[want]}")
+        if want == "int" and not 0 <= v <= MAX_TOKENS_IN_TOML:
+            raise InvalidWorkflow(f"{where}.{k} is {v}; expected an integer from 0 to {MAX_TOKENS_IN_TOML:,}")
+
+
+def _fields(where: str, d: object, spec: type) -> dict:
+    """A TOML table for dataclass ``spec``: its keys are the fields, str / int fields typed as annotated."""
+    fs = spec.__dataclass_fields__
+    types = {n: str(f.type) for n, f in fs.items() if f.init}
+    required = tuple(n for n, f in fs.items() if f.init and f.default is MISSING and f.default_factory is MISSING)
+    _check_table(where, d, types, required)
+    return d
 
 
 def _q(s: str) -> str:
