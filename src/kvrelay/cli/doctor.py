@@ -80,18 +80,15 @@ def payload_cmd(
 ) -> None:
     """A payload against a model: shapes, layer types, positions, dtype, codec and engine mode, each mismatch
     with its fix."""
-    from kvrelay.cli.payload import _map, _store_url
+    from kvrelay.cli.payload import _map, _store
 
     v.model(model)
     v.engine(engine)
     v.writable_path(json_path, "--json")
-    url = _store_url(store)
-    data = None if store is not None else _map(Path(target), "TARGET")
+    st = _store(store)  # opened and checked before the model loads
+    data = st.get_bytes(target) if st is not None else _map(Path(target), "TARGET")
     from kvrelay.bench.doctor_payload import diagnose_payload
-    from kvrelay.transport.stores import open_store
 
-    if url is not None:
-        data = open_store(url).get_bytes(target)
     lm = load_for_cli(model, None, engine)
     _finish(diagnose_payload(data, lm), f"payload {target} on {model}", json_path)
 
