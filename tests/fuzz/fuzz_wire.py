@@ -42,6 +42,7 @@ def main() -> int:
     if corpus is None:
         corpus = tempfile.mkdtemp(prefix="kvrelay-fuzz-")
         args.append(corpus)
+    Path(corpus).mkdir(parents=True, exist_ok=True)
     for i, seed in enumerate(targets.seed_corpus()):
         (Path(corpus) / f"seed-{targets.SEED_CODECS[i].replace(':', '_').replace('+', '_')}").write_bytes(seed)
     runs, crashes, start = [0], [0], time.monotonic()

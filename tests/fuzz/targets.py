@@ -2,13 +2,16 @@
 (``tests/fuzz/test_properties.py``, in ``make test``) and the coverage-guided fuzzer (``tests/fuzz/fuzz_wire.py``,
 atheris, a documented longer run: docs/payloads.md, "Hostile files").
 
-Each target takes arbitrary bytes and must end in one of two ways: it returns, or it raises a typed
+``check_resealed`` recomputes the checksums of whatever header a mutation produced (as a forger
+would), so the fuzzer gets past the root checksum. Each target takes arbitrary bytes and must end in one of two ways: it returns, or it raises a typed
 ``KVRelayError``. Anything else — ValueError, IndexError, RuntimeError, MemoryError, RecursionError — is a
 bug the target lets escape (the caller reports it). Memory stays bounded because every reader validates
 sizes against the bytes it was given before it allocates.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
@@ -18,6 +21,7 @@ from kvrelay.kv.describe import describe
 from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.models.identity import RopeSpec
 from kvrelay.transport.redis_store import RedisStore
+from tests.kv.test_wire_hostile import forge
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 SEED_CODECS = ("raw", "fp16", "bf16", "int8", "int4-g4", "evict:0.5+fp16", "layers:1+int8")
@@ -73,7 +77,23 @@ def check_manifest(data: bytes) -> None:
     assert 1 <= m["chunks"] <= 65_536 and 0 <= m["size"], m
 
 
-TARGETS = (check_decode, check_compressed, check_manifest)
+def check_resealed(data: bytes) -> None:
+    """The bytes with their checksums recomputed (what a forger does, ``forge``), so mutations of the header
+    reach the structural validation behind the root checksum instead of stopping at it."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 <= n <= len(data) - 8:
+        return
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, RecursionError):
+        return
+    if isinstance(header, dict):
+        sealed = forge(header, data[8 + n:])
+        check_decode(sealed)
+        check_compressed(sealed)
+
+
+TARGETS = (check_decode, check_compressed, check_manifest, check_resealed)
 
 
 def check_all(data: bytes) -> None:

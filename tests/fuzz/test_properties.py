@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tracemalloc
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -98,3 +99,20 @@ def test_deep_json_is_refused_not_a_recursion_error():
     header["__metadata__"]["rope"] = deep
     check_all(forge(header, body))
     check_manifest(deep.encode())
+
+
+def test_the_atheris_target_runs_when_installed(tmp_path):
+    """The coverage-guided target itself (optional dependency: skipped without atheris)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("atheris")
+    script = Path(__file__).with_name("fuzz_wire.py")
+    r = subprocess.run([sys.executable, str(script), "-atheris_runs=300", "-max_len=4096", "--summary",
+                        str(tmp_path / "s.json"), str(tmp_path / "corpus")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["runs"] >= 300 and s["crashes"] == 0 and "check_resealed" in s["targets"]

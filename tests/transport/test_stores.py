@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -86,8 +87,9 @@ def test_put_get_contains_delete(store):
     assert store.contains(key) and same(store.get(key), p)
     store.put("my/own key", q)  # keys need not be content addresses
     assert same(store.get("my/own key"), q)
-    store.put(key, q)  # replace
-    assert same(store.get(key), q)
+    r = dataclasses.replace(fake_payload(3), token_ids=p.token_ids)  # p's tokens, other K/V: the same content key
+    store.put(key, r)  # replace (bytes of another payload under a content key are refused: test_store_faults.py)
+    assert same(store.get(key), r)
     assert store.delete(key) and not store.contains(key) and not store.delete(key)
     with pytest.raises(KeyError):
         store.get(key)
