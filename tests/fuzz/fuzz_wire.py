@@ -22,6 +22,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: ``tests.fuzz.targets``
 
 
+def _portable(arg: str) -> str:
+    """An argument as the summary records it: no machine-local path (the corpus folder is CORPUS_DIR, a
+    summary file its name under the repository, else its base name)."""
+    if arg.startswith("-") or "/" not in arg:
+        return arg
+    p, root = Path(arg).resolve(), Path(__file__).resolve().parents[2]
+    if p.is_dir():
+        return "CORPUS_DIR"
+    return str(p.relative_to(root)) if p.is_relative_to(root) else p.name
+
+
 def main() -> int:
     try:
         import atheris
@@ -58,7 +69,7 @@ def main() -> int:
     def report() -> None:
         if summary:
             Path(summary).write_text(json.dumps({
-                "command": "python tests/fuzz/fuzz_wire.py " + " ".join(sys.argv[1:]), "runs": runs[0],
+                "command": "python tests/fuzz/fuzz_wire.py " + " ".join(_portable(a) for a in sys.argv[1:]), "runs": runs[0],
                 "seconds": round(time.monotonic() - start, 1), "crashes": crashes[0],
                 "targets": [t.__name__ for t in targets.TARGETS], "seeds": list(targets.SEED_CODECS),
                 "load_1min": os.getloadavg()[0]}, indent=2) + "\n")
