@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -170,7 +171,7 @@ class PeerSide:
         import gguf as gguf_pkg
 
         p = self.peer
-        return {"engine": "llama.cpp", "mode": gguf_file_type(p.gguf), "version": p.version, "gguf": p.gguf,
+        return {"engine": "llama.cpp", "mode": gguf_file_type(p.gguf), "version": p.version, "gguf": Path(p.gguf).name,
                 "params": p.params, "system_info": p.system_info(), "relay_bytes": self.state.nbytes,
                 "weight_bytes": self.weight_bytes, "sender_prefill_s": self.sender_prefill_s,
                 "save_s": self.save_s, "tokenization_identical": self.tokenization_identical,

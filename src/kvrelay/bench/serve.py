@@ -283,7 +283,8 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
                 rows["transformers_serve"] = not_run("transformers_serve", str(err))
     for name in ("vllm", "vllm_prefix_arranged"):
         if name in config.strategies:
-            rows[name] = not_run(name, f"vLLM's CPU build is an optional peer; no environment at {VLLM_PYTHON}"
+            rows[name] = not_run(name, "vLLM's CPU build is an optional peer; no environment at $KVRELAY_VLLM_PYTHON "
+                                 "(default ~/.cache/kvrelay/vllm-venv/bin/python)"
                                  if not VLLM_PYTHON.exists() else "the vLLM strategies are not implemented yet")
     return _result(config, rows, small, large)
 

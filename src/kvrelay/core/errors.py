@@ -200,13 +200,18 @@ class PeerUnavailable(KVRelayError):
     """A peer engine a benchmark compares against (llama.cpp) is not installed or cannot run."""
 
 
+def _fixed(x: object, digits: int) -> str:
+    """A number at ``digits`` decimals; anything else as it is (an error's message never fails to format)."""
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else str(x)
+
+
 class MachineLoaded(KVRelayError):
     """A timing run met a busy machine: its 1-minute load exceeded the run's own threads by more than allowed."""
 
     def __init__(self, load1: float, threads: int, limit: float, when: str):
         self.load1, self.threads, self.limit, self.when = load1, threads, limit, when
-        super().__init__(f"the 1-minute load average was {load1:.2f} {when}, above the benchmark's {threads} threads "
-                         f"+ 0.5; expected a quiet machine (load <= {limit:.1f}), or --allow-load to keep the "
+        super().__init__(f"the 1-minute load average was {_fixed(load1, 2)} {when}, above the benchmark's {threads} "
+                         f"threads + 0.5; expected a quiet machine (load <= {_fixed(limit, 1)}), or --allow-load to keep the "
                          "figures labelled loaded")
 
 
