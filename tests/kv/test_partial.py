@@ -12,6 +12,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.agents.partial import partial_relay
+from kvrelay.core.errors import CorruptPayload, InvalidInput
 from kvrelay.kv import wire
 from kvrelay.kv.cache import to_cache
 from kvrelay.kv.describe import describe
@@ -135,13 +136,17 @@ def test_budgets_fraction_topk_bytes_layers(cases, encoding):
 def test_request_wire_round_trip_and_refusals():
     r = PartialRequest((5, 6, 7), Budget(fraction=0.25, nbytes=1000), layers=(0, 2), encoding="int8")
     assert PartialRequest.from_bytes(r.to_bytes()) == r
-    with pytest.raises(ValueError, match="malformed partial request"):
+    with pytest.raises(CorruptPayload, match="not a kvrelay-partial-request/1 request"):
         PartialRequest.from_bytes(b'{"format": "something else"}')
-    with pytest.raises(ValueError, match="fraction must be in"):
+    with pytest.raises(CorruptPayload, match="malformed partial request"):
+        PartialRequest.from_bytes(b'{"format": "kvrelay-partial-request/1", "question_ids": [1]}')
+    with pytest.raises(CorruptPayload, match="malformed partial request"):
+        PartialRequest.from_bytes(b'\xff not json')
+    with pytest.raises(InvalidInput, match="budget fraction 1.5; expected .*in \\(0, 1\\]"):
         Budget(fraction=1.5)
-    with pytest.raises(ValueError, match="needs a fraction"):
+    with pytest.raises(InvalidInput, match="needs a fraction"):
         Budget()
-    with pytest.raises(ValueError, match="representation only"):
+    with pytest.raises(InvalidInput, match="representation only"):
         PartialRequest((1,), Budget(top_k=3), encoding="evict:0.2+int8")
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvrelay.core.errors import CorruptPayload, InvalidInput
 from kvrelay.kv.codecs import Codec, Compressed, Evict, Layers, compress, parse
 from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, eviction_plan, recent_floor
 from kvrelay.kv.transforms import select_layers
@@ -51,13 +52,13 @@ class Budget:
 
     def __post_init__(self):
         if self.fraction is None and self.top_k is None and self.nbytes is None:
-            raise ValueError("a budget needs a fraction, a top_k or an nbytes")
+            raise InvalidInput("a budget with no limit", "a budget that needs a fraction, a top_k or an nbytes")
         if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
-            raise ValueError(f"budget fraction must be in (0, 1], got {self.fraction!r}")
+            raise InvalidInput(f"budget fraction {self.fraction!r}", "a budget fraction that must be in (0, 1]")
         for name in ("top_k", "nbytes"):
             x = getattr(self, name)
             if x is not None and (type(x) is not int or x < 1):
-                raise ValueError(f"budget {name} must be an int >= 1, got {x!r}")
+                raise InvalidInput(f"budget {name} {x!r}", f"budget {name} must be an int >= 1")
 
     def positions(self, total: int) -> int:
         """The most positions of ``total`` that the fraction and top-k allow (the byte limit comes later)."""
@@ -83,15 +84,15 @@ class PartialRequest:
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
-            raise ValueError("question_ids must be a non-empty tuple of token ids (ints >= 0)")
+            raise InvalidInput("question_ids", "question_ids must be a non-empty tuple of token ids (ints >= 0)")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise InvalidInput(f"mode {self.mode!r}", f"mode must be one of {MODES}")
         if self.sink < 0 or self.recent < 1:
-            raise ValueError(f"need sink >= 0 and recent >= 1, got sink={self.sink}, recent={self.recent}")
+            raise InvalidInput(f"sink={self.sink}, recent={self.recent}", "need sink >= 0 and recent >= 1")
         enc = parse(self.encoding)
         if enc.stages:
-            raise ValueError(f"encoding {self.encoding!r} must be a representation only (raw, fp16, int8, ...); "
-                             "layer subsets go in layers=, selection is the budget's")
+            raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
+                               "layer subsets go in layers=, selection is the budget's")
         if self.layers is not None:
             parse(Layers(tuple(self.layers)).name)  # increasing, distinct, non-negative
 
@@ -108,12 +109,14 @@ class PartialRequest:
         try:
             d = json.loads(bytes(data))
             if not isinstance(d, dict) or d.get("format") != REQUEST_FORMAT:
-                raise ValueError(f"not a {REQUEST_FORMAT} request")
+                raise CorruptPayload(f"not a {REQUEST_FORMAT} request")
             budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
             layers = tuple(d["layers"]) if d["layers"] is not None else None
             return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"])
+        except CorruptPayload:
+            raise
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed partial request: {e}") from None
+            raise CorruptPayload(f"malformed partial request: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)
