@@ -50,7 +50,8 @@ RUNS = [
                   "--codecs", "raw,fp16,int8,int4,evict:0.2", "--repeats", "1", "--no-link",
                   "--json", "{tmp}/transfer.json"], ["bench transfer", "break-even", "checks at 64"]),
     ("audit", ["audit", "--preset", "smoke", "--model", SMOL, "--tasks", "gen_easy:2", "--limit", "2",
-               "--arms", "none,kv,kv_mismatched", "--engine", "fp32", "--threads", "2", "--out", "{tmp}/audit"],
+               "--arms", "none,kv,kv_mismatched", "--engine", "fp32", "--threads", "2", "--seeds", "0",
+               "--out", "{tmp}/audit"],
      ["too few tasks to tell (2 tasks; at least 20 are needed)", "report.html"]),
     ("audit-report", ["audit", "report", "{tmp}/audit"], ["too few tasks to tell", "report.html"]),
     ("read", ["read", "--model", SMOL, "--context", "docs/demo/context.md", "--out", "{tmp}/report.kv",
@@ -98,7 +99,7 @@ RUNS = [
                       "--allow-load", "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
     ("bench-speculative", ["bench", "speculative", "--target", "tiny:qwen2", "--draft", "tiny:qwen2:1",
                            "--context-tokens", "32", "--new-tokens", "4", "--repeats", "1", "--allow-load",
-                           "--json", "{tmp}/speculative.json"], ["relay_lookup", "relay_draft"]),
+                           "--threads", "1", "--json", "{tmp}/speculative.json"], ["relay_lookup", "relay_draft"]),
     ("calibrate", ["calibrate", "--model", SMOL, "--context-tokens", "64,96", "--codecs", "raw,int8", "--stores",
                    "memory", "--repeats", "1", "--no-compare", "--link-mbps", "100", "--link-latency-ms", "1",
                    "--threads", "1", "--profile", "{tmp}/profile.json", "--json", "{tmp}/calibrate.json"],
@@ -122,6 +123,24 @@ NOT_RUN = {
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
     ("bench", "repair", "--profile"): "needs a deviation profile of two trained variants (layers=auto:K): "
                                       "tests/fuse/test_repair.py",
+    ("verify",): "tiny-model runs of PAYLOAD --model --k --full --json and its argument mistakes: "
+                 "tests/cli/test_verify_cli.py; --corpus builds every fault on a real model (minutes), its "
+                 "mechanism runs in tests/agents/test_verify.py",
+    ("read", "--keys-file"): "signs what it writes: tests/cli/test_verify_cli.py",
+    ("respond", "--keys-file"): "refuses unsigned payloads: tests/cli/test_verify_cli.py",
+    ("respond", "--verify"): "spot-checks before answering: tests/cli/test_verify_cli.py",
+    ("bench", "soak"): "producer and consumer processes through a real Redis: tests/bench/test_soak.py",
+    ("doctor",): "the group; its commands below",
+    ("doctor", "models"): "tiny models through the CLI: tests/bench/test_doctor.py",
+    ("doctor", "link"): "tiny models through the CLI: tests/bench/test_doctor.py",
+    ("doctor", "payload"): "the library call on planted payloads: tests/bench/test_doctor.py",
+    ("serve",): "a real `kvrelay serve` subprocess on a tiny model, answered and stopped by SIGTERM: "
+                "tests/serve/test_cli.py; --ray replicas through the library: tests/serve/",
+    ("bench", "serve"): "HTTP workflows against a gateway on tiny models: tests/bench/test_bench_serve.py",
+    ("fuse",): "the group; its commands are run above",
+    **{("audit", opt): "the audit of a workflow edge runs on a tiny model with every one of these options: "
+                       "tests/audit/test_edge.py::test_cli_audit_workflow"
+       for opt in ("--workflow", "--edge", "--inputs", "--score")},
     ("bench", "repair", "--tasks"): "squad hides a SQuAD passage among others up to the context size, more than "
                                     "a scaled run holds: tests/bench/test_repair_bench.py",
 }
