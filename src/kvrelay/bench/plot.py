@@ -36,9 +36,16 @@ def plot_pipeline(result: dict, path: str | Path) -> Path:
     top = max(max(r[f"{m}_prefill_s"] + r[f"{m}_decode_s"] + r[f"{m}_relay_s"] for r in rows) for m in ("text", "kv"))
     ax.set_ylim(0, top * 1.35)  # headroom for the legend
     ax.legend(fontsize=7, ncol=3, loc="upper center")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Lay ``fig`` out, write it as a PNG at ``path`` (its folder made if missing) and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

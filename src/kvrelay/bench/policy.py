@@ -213,6 +213,8 @@ def plot_frontier(res: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvrelay.bench.plot import save_figure
+
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for s in res["strategies"]:
         star = s["name"] == "learned"
@@ -223,9 +225,4 @@ def plot_frontier(res: dict, path: str | Path) -> Path:
     ax.set_ylabel("accuracy, points (held-out audit records)")
     ax.set_title(f"policy frontier · held out: {', '.join(res['held_out_tasks'])} · {res['requests']} requests"
                  f"\nlearned policy dominated: {res['policy_dominated']}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
