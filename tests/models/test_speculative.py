@@ -18,7 +18,7 @@ from kvrelay.agents.agent import Agent
 from kvrelay.agents.draft import DraftModel
 from kvrelay.core.errors import IncompatiblePayload
 from kvrelay.models.loader import with_engine
-from kvrelay.models.speculative import LookupDrafter, PromptLookup
+from kvrelay.models.speculative import MAX_PAUSE, LookupDrafter, PromptLookup
 from kvrelay.models.tiny import tiny_lm
 
 CONTEXT = "the vault is blue and the key is seven what is the code of the red file " * 3
@@ -57,7 +57,7 @@ def test_prompt_lookup_writes_what_plain_decoding_writes(arch, engine):
 @pytest.mark.parametrize(("arch", "engine"), CASES[:4])
 def test_draft_model_speculation_from_both_relayed_caches_writes_what_plain_decoding_writes(arch, engine):
     lm = with_engine(tiny_lm(arch), engine)
-    draft = _perturbed(lm, 0.004)
+    draft = _perturbed(lm, 0.002)  # agrees often enough that drafting keeps going (and sometimes misses)
     payload, draft_payload = Agent(lm, "sender").read(CONTEXT), Agent(draft, "sender").read(CONTEXT)
     plain = _answer(lm, payload)
     spec = _answer(lm, payload, speculate=DraftModel(draft, draft_payload))
@@ -101,9 +101,44 @@ def test_lookup_proposes_the_continuation_of_the_latest_match():
     d = LookupDrafter(PromptLookup(num_draft=3, max_ngram=3, min_ngram=2), seq[:4])
     assert d.propose(seq, 8) == [7, 1, 2]  # [5, 6] last seen before [7, 1, 2]; [x, 5, 6] not seen before
     assert d.propose(seq, 2) == [7, 1]
-    d.update(seq, 3, 0)
-    assert d.propose(seq, 8) == [7, 1]  # a rejected draft shortens the next one
+    d.update(seq, 3, 1)
+    assert d.propose(seq, 8) == [7, 1]  # a partly kept draft shortens the next one
     assert d.propose([*seq, 4], 8) == []  # [6, 4] and [5, 6, 4] never occurred
+
+
+def test_drafting_pauses_longer_while_nothing_is_kept_and_resumes_when_something_is():
+    """The pause schedule: after a draft of which nothing is kept, 1, 2, 4, ... steps without drafting
+    (up to MAX_PAUSE), each followed by a 1-token probe; a kept probe ends the pausing."""
+    seq = [5, 6, 7, 8, 9, 5, 6]
+    d = LookupDrafter(PromptLookup(num_draft=4), seq)
+    lengths = []
+    for _ in range(1 + 2 + 3 + 5 + 9 + 17 + 33 + 33):
+        draft = d.propose(seq, 8)
+        lengths.append(len(draft))
+        d.update(seq, len(draft), 0)
+    pauses = [len(run) for run in "".join("x" if n else " " for n in lengths).split("x")[1:-1]]
+    assert lengths[0] == 4 and set(lengths[1:]) == {0, 1}
+    assert pauses == [1, 2, 4, 8, 16, MAX_PAUSE, MAX_PAUSE]
+    while not (probe := d.propose(seq, 8)):
+        pass
+    assert probe == [7]
+    d.update(seq, 1, 1)  # a probe kept: drafting resumes at once, growing again
+    assert d.propose(seq, 8) == [7, 8, 9]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_a_draft_model_that_is_never_right_is_soon_left_idle_and_changes_nothing(arch):
+    lm = tiny_lm(arch)
+    other = tiny_lm(arch, seed=7)  # same tokenizer, unrelated weights: its drafts are nearly never kept
+    payload, draft_payload = Agent(lm, "sender").read(CONTEXT), Agent(other, "sender").read(CONTEXT)
+    plain = _answer(lm, payload)
+    spec = _answer(lm, payload, speculate=DraftModel(other, draft_payload, num_draft=4))
+    assert spec.token_ids == plain.token_ids
+    s = spec.speculation
+    assert s.accepted <= 2  # the case this test is about: drafts that miss
+    # 39 steps: without pausing every step drafts (up to 4 tokens each); with it about 6 probes
+    assert s.drafted <= 4 + 8, s
+    assert s.verify_forwards == N - 1 - s.accepted
 
 
 def test_a_draft_payload_of_other_tokens_or_another_tokenizer_is_refused():

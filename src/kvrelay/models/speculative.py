@@ -16,7 +16,12 @@ Drafters (``Drafter``: ``propose(seq, limit)``, then ``update(seq, proposed, acc
   tokens and writes greedy tokens one at a time.
 
 Both adapt their draft length as Hugging Face's assisted generation does: +2 after a fully accepted
-draft, -1 otherwise (never below 1, never above ``num_draft``).
+draft, -1 after a partly accepted one (never below 1, never above ``num_draft``). A draft of which
+nothing is kept costs a wider verify forward (and, for a draft model, its own forwards) for no gain,
+so drafting where it does not pay is stopped: after such a draft the next ones are 1 token long and
+drafting pauses for 1 step, then 2, 4, ... up to ``MAX_PAUSE`` steps while the probes keep missing;
+a draft of which anything is kept ends the pause. Where drafts are never kept, the cost falls to
+about one 1-token probe per ``MAX_PAUSE`` steps; where they are, drafting never pauses.
 
 Layout: one row (B = 1). ``seq`` is every token the target cache holds (``history``) followed by the
 tokens written since; the token at ``seq[i]`` sits at position ``origin + i`` with
@@ -61,15 +66,33 @@ class PromptLookup:
         return LookupDrafter(self, history)
 
 
+MAX_PAUSE = 32  # most decode steps without drafting between two probes that keep missing
+
+
 class _Adaptive:
-    """The draft length: +2 after a fully accepted draft, -1 otherwise, within [1, most]."""
+    """The draft length (+2 after a fully accepted draft, -1 after a partly accepted one, within [1, most])
+    and the pause after drafts of which nothing was kept (1, 2, 4, ... ``MAX_PAUSE`` steps)."""
 
     def __init__(self, most: int):
         self.most, self.now = most, most
+        self.skip = 0  # steps left in the current pause
+        self.wait = 1  # the next pause's length
+
+    def take(self) -> int:
+        """The length of this step's draft: 0 while paused. Called once per decode step."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.now
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.now = min(self.most, self.now + 2) if accepted == proposed else max(1, self.now - 1)
+        if not proposed:
+            return
+        if accepted == 0:
+            self.now, self.skip, self.wait = 1, self.wait, min(MAX_PAUSE, 2 * self.wait)
+            return
+        self.wait = 1
+        self.now = min(self.most, self.now + 2) if accepted == proposed else max(1, self.now - 1)
 
 
 class LookupDrafter:
@@ -90,7 +113,9 @@ class LookupDrafter:
 
     def propose(self, seq: Sequence[int], limit: int) -> list[int]:
         self._index_upto(seq)
-        k = min(self.length.now, limit)
+        k = min(self.length.take(), limit)
+        if k < 1:
+            return []
         for n in range(min(self.s.max_ngram, len(seq)), self.s.min_ngram - 1, -1):
             j = self.index.get(tuple(seq[len(seq) - n:]))
             if j is not None:
@@ -113,7 +138,7 @@ class ModelDrafter:
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
 
     def propose(self, seq: Sequence[int], limit: int) -> list[int]:
-        k = min(self.length.now, limit)
+        k = min(self.length.take(), limit)
         if k < 1:
             return []
         pending = torch.tensor([list(seq[self.fed:])], dtype=torch.int64)  # (1, p): what the draft has not read
@@ -198,8 +223,11 @@ def speculative_decode(model, cache, history: Sequence[int], first_logits: torch
         draft = drafter.propose(seq, max_new_tokens - len(out))
         feed = torch.tensor([[tok, *draft]], dtype=torch.int64)  # (1, q)
         pos = (next_position + held + torch.arange(feed.shape[1], dtype=torch.int64))[None]  # (1, q)
-        with decode_weights(model):
-            logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
+        if draft:
+            with decode_weights(model):
+                logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
+        else:  # no draft: the plain decode step (``generate.decode_n_tokens``), last-position logits only
+            logits = forward_last(model, feed, pos, cache, None)  # (1, V)
         held += feed.shape[1]
         forwards += 1
         a = 0
