@@ -33,6 +33,10 @@ RUNS = [
                        "0.25", "--encodings", "raw,int8", "--methods", "full,receiver_driven,none",
                        "--max-new-tokens", "4", "--message-tokens", "8", "--threads", "2",
                        "--records", "{tmp}/partial.jsonl", "--json", "{tmp}/partial.json"], ["bench partial"]),
+    ("bench-connector", ["bench", "connector", "--model", "tiny:llama", "--context-tokens", "80", "--new-tokens", "4",
+                         "--repeats", "1", "--page-size", "16", "--max-batch-tokens", "256", "--threads", "1",
+                         "--allow-load", "--json", "{tmp}/connector.json"],
+     ["bench connector", "continuous_batching", "not connected: lmcache_vllm"]),
     ("relay-text", ["relay", "--model", SMOL, "--context-text", "The parser drops the last line.", "--question",
                     "What does the parser drop?", "--max-new-tokens", "6"], ["text (re-encode)"]),
     ("bench-relay", ["bench", "relay", "--model", SMOL, "--context-tokens", "64,96", "--repeats", "1",
@@ -151,6 +155,7 @@ JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench 
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",
                  "bench-engine": "kvrelay bench engine --json", "bench-partial": "kvrelay bench partial --json",
+                 "bench-connector": "kvrelay bench connector --json",
                  "calibrate": "kvrelay calibrate --json", "bench-speculative": "kvrelay bench speculative --json",
                  "bench-policy": "kvrelay bench policy --json"}
 

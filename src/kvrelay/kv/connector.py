@@ -18,29 +18,53 @@ The connector reaches the persistent manager's cache (``model._cached_continuous
 sharing matches whole pages before the prompt's last token only: the payload's last ``T mod page_size``
 tokens are prefilled by the engine again. Models with sliding-window layers (gemma3) get no prefix
 sharing in 5.24 (its sliding allocator does not share blocks) and are refused, as are payloads whose
-positions are not ``0..T-1`` (partial selections): the engine numbers a request's tokens from 0.
+positions are not ``0..T-1`` (partial selections): the engine numbers a request's tokens from 0
+(``InvalidInput`` says which). The connector does not check that the payload is the engine's model's:
+callers do first (``Agent.check``), as ``bench.connector`` does.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
+from kvrelay.core.errors import InvalidInput
 from kvrelay.kv.payload import KVPayload
 
 PAGE_SIZE = 16
+MAX_BATCH_TOKENS = 256
 PREFIX_REQUEST = "kvrelay-prefix"
+
+
+class _QuietPersistent(logging.Filter):
+    """Drops the engine's warning that a persistent manager was sized for its first requests (it is
+    started here for exactly one request and stopped after it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "persistent_manager=True" not in record.getMessage()
+
+
+logging.getLogger("ContinuousBatchingLogger").addFilter(_QuietPersistent())
 
 
 @dataclass(frozen=True, slots=True)
 class EngineResult:
-    tokens: tuple[int, ...]  # greedy tokens the engine generated
+    tokens: tuple[int, ...]  # greedy tokens the engine generated (a stop token it wrote included)
     reused_tokens: int  # payload tokens the engine took from the injected blocks (not prefilled)
-    prefilled_tokens: int  # tokens it prefilled itself (payload tail + prompt)
+    prefilled_tokens: int  # tokens it prefilled itself (payload tail + prompt; everything without a payload)
+    inject_s: float = 0.0  # writing the payload's blocks into the engine's cache
+    first_token_s: float = 0.0  # from submitting the request to its first generated token
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token with the payload in hand: injection plus the engine's own first token."""
+        return self.inject_s + self.first_token_s
 
 
-def cb_config(page_size: int = PAGE_SIZE, num_blocks: int = 64, max_batch_tokens: int = 256):
+def cb_config(page_size: int = PAGE_SIZE, num_blocks: int = 64, max_batch_tokens: int = MAX_BATCH_TOKENS):
     """A small, explicit continuous-batching configuration with prefix sharing (on CPU the default sizing
     takes a share of all free memory)."""
     from transformers import ContinuousBatchingConfig
@@ -49,30 +73,39 @@ def cb_config(page_size: int = PAGE_SIZE, num_blocks: int = 64, max_batch_tokens
                                     max_batch_tokens=max_batch_tokens)
 
 
+def blocks_needed(total_tokens: int, page_size: int = PAGE_SIZE) -> int:
+    """Pages for a request of ``total_tokens`` (prompt + new tokens) whose prefix was injected: the reused
+    whole pages, the re-prefilled tail's pages, and the injected partial page until it is freed."""
+    return -(-total_tokens // page_size) + 4
+
+
 def _check(p: KVPayload) -> None:
     if p.batch_size != 1 or not bool(p.mask.all()):
-        raise ValueError("the connector takes one unpadded row")
+        raise InvalidInput(f"a payload of {p.batch_size} row(s) with padding={not bool(p.mask.all())}",
+                           "one unpadded row (the connector writes one request's prefix)")
     if not p.meta.complete:
-        raise ValueError(f"the connector needs every layer (payload holds {list(p.meta.layer_indices)})")
+        raise InvalidInput(f"a payload holding layers {list(p.meta.layer_indices)} only",
+                           "every layer (the connector needs them all)")
     if any(t != "full_attention" for t in p.meta.layer_types):
-        raise ValueError("continuous batching in transformers 5.24 shares no sliding-window blocks: a model with "
-                         "sliding-window layers cannot take a relayed prefix there")
+        raise InvalidInput("a model with sliding-window layers", "full-attention layers only: continuous batching "
+                           "in transformers 5.24 shares no sliding-window blocks, so it cannot take a relayed prefix")
     if not torch.equal(p.positions[0], torch.arange(p.num_tokens)):
-        raise ValueError("the engine numbers a request's tokens from 0: the payload's positions must be 0..T-1 "
-                         "(a partial selection cannot become prefix blocks)")
+        raise InvalidInput("a payload whose positions are not 0..T-1 (a partial selection or a moved payload)",
+                           "positions 0..T-1: the engine numbers a request's tokens from 0")
 
 
-def _manager(model, gen_config, cfg):
-    """The persistent manager (created by a one-token warm-up request when there is none) and its cache."""
+def _manager(model, gen_config, cfg, *, sharing: bool = True):
+    """The persistent manager (created by a one-token warm-up request when there is none) and its cache;
+    ``sharing``: refuse a cache without prefix sharing."""
     mgr = getattr(model, "_cached_continuous_batching_manager", None)
     if mgr is None:
         model.generate_batch(inputs=[[0]], generation_config=gen_config, continuous_batching_config=cfg,
                              persistent_manager=True, max_new_tokens=1)
         mgr = model._cached_continuous_batching_manager
     cache = mgr.batch_processor.cache
-    if not cache.use_prefix_sharing or "full_attention" not in cache.cache_allocators:
-        raise ValueError("this continuous-batching cache has no prefix sharing (allow_block_sharing off, or "
-                         "layers whose allocator does not share blocks)")
+    if sharing and (not cache.use_prefix_sharing or "full_attention" not in cache.cache_allocators):
+        raise InvalidInput("a continuous-batching cache without prefix sharing (allow_block_sharing off, or "
+                           "layers whose allocator does not share blocks)", "a cache that shares blocks")
     return mgr, cache
 
 
@@ -87,7 +120,8 @@ def inject_prefix(model, p: KVPayload, gen_config, cfg) -> int:
     T = len(ids)
     state = RequestState(request_id=PREFIX_REQUEST, initial_tokens=ids, max_new_tokens=1)
     if not cache.can_store_request_tokens(state, T):
-        raise ValueError(f"the engine's cache has no room for {T} tokens; raise num_blocks")
+        raise InvalidInput(f"{T} tokens for an engine cache of {cfg.num_blocks} pages of {cfg.page_size}",
+                           "more num_blocks")
     write = torch.tensor(alloc.get_write_indices(PREFIX_REQUEST, 0, T), dtype=torch.long)
     nothing = torch.tensor([], dtype=torch.long)
     for li in alloc.layer_indices:
@@ -99,27 +133,38 @@ def inject_prefix(model, p: KVPayload, gen_config, cfg) -> int:
     return (T // alloc.tokens_per_page) * alloc.tokens_per_page  # whole pages only (module docstring)
 
 
-def continue_in_engine(model, p: KVPayload, prompt_ids, *, max_new_tokens: int, eos_token_id=None,
-                       page_size: int = PAGE_SIZE, num_blocks: int = 64, max_batch_tokens: int = 256) -> EngineResult:
+def continue_in_engine(model, p: KVPayload | None, prompt_ids, *, max_new_tokens: int, eos_token_id=None,
+                       page_size: int = PAGE_SIZE, num_blocks: int | None = None,
+                       max_batch_tokens: int = MAX_BATCH_TOKENS) -> EngineResult:
     """Greedy continuation of ``p`` + ``prompt_ids`` by continuous batching, the payload as prefix blocks.
 
-    Stops the engine's persistent manager afterwards (its cache is freed)."""
+    ``p`` None: the engine reads ``prompt_ids`` itself (its own prefill, the baseline). ``eos_token_id``:
+    an id or a list of ids that end the answer. ``num_blocks`` None: enough pages for this one request
+    (``blocks_needed``). The engine's persistent manager is started before the timed part (its start is a
+    server's, not a request's) and stopped afterwards (its cache is freed)."""
     from transformers import GenerationConfig
 
+    prompt = (p.token_ids[0].tolist() if p is not None else []) + list(prompt_ids)
+    if num_blocks is None:
+        num_blocks = blocks_needed(len(prompt) + max_new_tokens, page_size)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
                            eos_token_id=eos_token_id if eos_token_id is not None else -1)
     cfg = cb_config(page_size, num_blocks, max_batch_tokens)
     try:
-        reused = inject_prefix(model, p, gen, cfg)
-        prompt = p.token_ids[0].tolist() + list(prompt_ids)
+        if p is not None:
+            _check(p)
+        _manager(model, gen, cfg, sharing=p is not None)  # untimed: a serving engine is up before requests come
+        t0 = time.perf_counter()
+        reused = inject_prefix(model, p, gen, cfg) if p is not None else 0
+        t1 = time.perf_counter()
         out = model.generate_batch(inputs=[prompt], generation_config=gen, continuous_batching_config=cfg,
-                                   persistent_manager=True, max_new_tokens=max_new_tokens)
+                                   persistent_manager=True, max_new_tokens=max_new_tokens, record_timestamps=True)
         res = next(iter(out.values()))
         if res.error is not None:
             raise RuntimeError(f"continuous batching failed: {res.error}")
         tokens = tuple(int(t) for t in res.generated_tokens)
+        first = (res.timestamps[0] - t1) if res.timestamps else float("nan")
     finally:
         if getattr(model, "_cached_continuous_batching_manager", None) is not None:
             model.destroy_cached_continuous_batching_manager()
-    return EngineResult(tokens, reused, len(prompt) - reused)
-
+    return EngineResult(tokens, reused, len(prompt) - reused, t1 - t0, first)
