@@ -27,5 +27,5 @@ def gateway():
     config = ServeConfig(models=("tiny:qwen2", "tiny:llama"), port=0, max_tokens=12, limit_max_tokens=64)
     g = Gateway(config, pool=pool, store=store, secret=secret)
     with g as url:
-        yield {"url": url, "store": store, "secret": secret, "pool": pool,
+        yield {"url": url, "store": store, "secret": secret, "pool": pool, "server": g,
                "client": openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)}

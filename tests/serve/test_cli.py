@@ -49,6 +49,8 @@ def test_serve_answers_then_shuts_down_gracefully_on_sigterm():
     (["--models", "tiny:qwen2", "--port", "70000"], "--port"),
     (["--models", "tiny:qwen2", "--store", "ftp://x"], "store"),
     (["--models", "tiny:nope"], "tiny"),
+    (["--models", "tiny:qwen2", "--audits", "no/such/audit"], "--audits"),
+    (["--models", "tiny:qwen2", "--audits", "docs"], "no config.json"),
 ])
 def test_serve_mistakes_are_one_line_before_loading(args, expected):
     r = subprocess.run([KVRELAY, "serve", *args], capture_output=True, text=True, timeout=120)

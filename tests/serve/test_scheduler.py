@@ -1,12 +1,17 @@
-"""The scheduler's rule: the most accurate model predicted to meet the SLO, else the fastest; a
-handle's own model is cheaper by the context it need not prefill; ``model: "auto"`` end to end."""
+"""The scheduler's rule: per model, the policy's channel (value model + cost model) under the SLO budget
+left after queueing; across models, the most accurate predicted to meet the SLO, else the fastest; a
+handle's own model is cheaper by the context it need not prefill; ``model: "auto"`` end to end, with
+the reason in the response and the decision in the metrics."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
+from kvrelay.policy.features import Features
+from kvrelay.policy.value import Observation, ValueModel
 from kvrelay.serve import handles
 from kvrelay.serve.chat import Message
 from kvrelay.serve.protocol import ChatRequest
@@ -15,11 +20,26 @@ from kvrelay.serve.scheduler import Costs, Scheduler
 openai = pytest.importorskip("openai")
 
 BIG, SMALL = "tiny:qwen2", "tiny:llama"
+FACTS = "the vault code of gallery seven is ruby falcon and the guard is named orlov"
 
 
-@pytest.fixture
-def scheduler(gateway):
-    s = Scheduler(gateway["pool"], quality={BIG: 0.8, SMALL: 0.5})
+@pytest.fixture(scope="module")
+def value() -> ValueModel:
+    """Audit-like observations: without the context a private task fails and a shared one does not;
+    kv and text_full read the same tokens (identical outcomes)."""
+    rng = random.Random(0)
+    obs = []
+    for i in range(200):
+        shared = i % 2 == 1
+        f = Features(rng.uniform(0.7, 1.0) if shared else rng.uniform(0.0, 0.2), rng.choice([16, 64, 256, 1024, 4096]))
+        ok = float(rng.random() < 0.8)
+        for key, y in (("kv", ok), ("text_full", ok), ("none", ok if shared else float(rng.random() < 0.1))):
+            obs.append(Observation(f"t{i}", "synthetic", key, f, y))
+    return ValueModel.fit(obs, n_boot=100, seed=0)
+
+
+def _scheduler(gateway, value):
+    s = Scheduler(gateway["pool"], quality={BIG: 0.8, SMALL: 0.5}, value=value)
     # costs as a calibration would measure them: the big model is 4x slower per token
     s.costs = {BIG: Costs(0.004, 0.02, 10, 1.0), SMALL: Costs(0.001, 0.005, 10, 0.25)}
     yield s
@@ -27,8 +47,37 @@ def scheduler(gateway):
         r.observers.remove(s.observe)
 
 
+@pytest.fixture
+def scheduler(gateway, value):
+    """BIG has a value model (the policy picks its channels), SMALL none (the mechanical rule)."""
+    yield from _scheduler(gateway, {BIG: value})
+
+
+@pytest.fixture
+def mechanical(gateway):
+    yield from _scheduler(gateway, None)
+
+
 def req(text: str, slo: float | None) -> ChatRequest:
     return ChatRequest("auto", (Message("user", text),), 10, slo_s=slo)
+
+
+def opened_for(gateway, model: str, messages, *, signed=True, ttl=60.0) -> list[handles.Opened]:
+    h = handles.Handle("key", model, gateway["pool"].pick(model).fingerprint, time.time() + ttl, tuple(messages))
+    return [handles.Opened(h, signed=signed)]
+
+
+def decisions(gateway, channel: str) -> float:
+    """The scheduler decisions counted for BIG on ``channel`` with the SLO met (GET /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(gateway["url"] + "/metrics").text):
+        for smp in fam.samples:
+            if smp.name == "kvrelay_scheduler_decisions_total" and smp.labels == {"model": BIG, "channel": channel,
+                                                                                 "slo": "met"}:
+                return smp.value
+    return 0.0
 
 
 def test_the_most_accurate_model_that_meets_the_slo_else_the_fastest(scheduler):
@@ -37,19 +86,61 @@ def test_the_most_accurate_model_that_meets_the_slo_else_the_fastest(scheduler):
     tight = scheduler.decide(req(long, 1.0), [])
     assert tight.model == SMALL and tight.met
     hopeless = scheduler.decide(req(long, 0.01), [])
-    assert hopeless.model == SMALL and not hopeless.met
+    assert hopeless.model == SMALL and not hopeless.met and "fastest" in hopeless.reason
     assert scheduler.decide(req(long, None), []).model == BIG  # no SLO: accuracy alone
 
 
-def test_a_handle_makes_its_own_model_cheaper_by_the_context(scheduler, gateway):
+def test_a_handle_makes_its_own_model_cheaper_by_the_context(mechanical, scheduler, gateway):
     context = (Message("user", "word " * 2000), Message("assistant", "ok"))  # ~2.5k tokens
-    h = handles.Handle("key", BIG, gateway["pool"].pick(BIG).fingerprint, time.time() + 60, context)
-    opened = [handles.Opened(h, signed=True)]
-    d = scheduler.decide(req("and then?", 1.0), opened)
+    d = mechanical.decide(req("and then?", 1.0), opened_for(gateway, BIG, context))
     assert d.model == BIG and d.channel == "kv"  # continuing costs only the new turn
-    assert scheduler.decide(req("and then?", 1.0), [handles.Opened(h, signed=False)]).model == SMALL
-    expired = handles.Opened(handles.Handle("key", BIG, h.fingerprint, time.time() - 1, context), signed=True)
-    assert scheduler.predict(BIG, req("and then?", 1.0), [expired])[1] == "text"
+    assert mechanical.decide(req("and then?", 1.0), opened_for(gateway, BIG, context, signed=False)).model == SMALL
+    assert mechanical.predict(BIG, req("and then?", 1.0), opened_for(gateway, BIG, context, ttl=-1))[1] == "text_full"
+    # with its value model, BIG may still meet the SLO without the context it cannot continue; the
+    # policy says what that costs in P(success)
+    d = scheduler.decide(req("and then?", 1.0), opened_for(gateway, BIG, context, signed=False))
+    assert (d.model, d.channel) == (BIG, "none") and d.expected_success < 0.5
+    assert "no kv: the pair is not compatible" in d.reason
+
+
+def test_the_policy_picks_the_channel_with_its_reason(scheduler, gateway):
+    ctx = [Message("user", f"Remember this. {FACTS}"), Message("assistant", "Noted.")]
+    private = scheduler.plan(BIG, req("What is the answer to my question?", None), opened_for(gateway, BIG, ctx))
+    assert private.channel == "kv" and private.reason.startswith("policy: kv") and private.expected_success > 0.5
+    # a handle this model cannot continue: the policy may only re-encode it (or leave it out)
+    other = scheduler.plan(BIG, req("What is the answer to my question?", None),
+                           opened_for(gateway, BIG, ctx, signed=False))
+    assert other.channel == "text_full" and "not compatible" in other.reason
+    assert other.latency_s > private.latency_s
+    # the request's own message holds the whole context: the policy predicts no loss without it, so it
+    # does not pay for re-encoding the handle; a cache it can continue costs no more than none here
+    shared_q = req(f"{FACTS}. What is the vault code?", None)
+    shared = scheduler.plan(BIG, shared_q, opened_for(gateway, BIG, ctx, signed=False))
+    assert shared.channel == "none" and shared.reason.startswith("policy: none")
+    assert shared.latency_s < other.latency_s
+    assert scheduler.plan(BIG, shared_q, opened_for(gateway, BIG, ctx)).channel == "kv"
+    # the model without a value model follows the mechanical rule, and says so
+    small = scheduler.plan(SMALL, req("What is the answer?", None), opened_for(gateway, SMALL, ctx))
+    assert small.channel == "kv" and small.expected_success is None and small.reason.startswith("no value model")
+
+
+def test_the_queue_eats_the_slo_budget(scheduler, gateway):
+    ctx = [Message("user", f"Remember this. {FACTS}"), Message("assistant", "Noted.")]
+    r = req("What is the answer to my question?", 2.0)
+    calm = scheduler.plan(BIG, r, opened_for(gateway, BIG, ctx), 2.0)
+    assert calm.queue_s == 0 and "no channel meets the SLO" not in calm.reason
+    scheduler.costs[BIG].service_s = 5.0  # one request ahead would take 5 s
+    replica = gateway["pool"].replicas[BIG][0]
+    busy = replica._lock, replica._busy
+    with replica._lock:
+        replica._busy = 2  # two waiting on one of the two replicas: 1 per replica
+    try:
+        late = scheduler.plan(BIG, r, opened_for(gateway, BIG, ctx), 2.0)
+        assert late.queue_s == pytest.approx(5.0) and "no channel meets the SLO" in late.reason
+        assert scheduler.decide(r, opened_for(gateway, BIG, ctx)).model == SMALL
+    finally:
+        with busy[0]:
+            replica._busy = 0
 
 
 def test_auto_answers_with_the_chosen_model_and_says_which(gateway):
@@ -58,7 +149,42 @@ def test_auto_answers_with_the_chosen_model_and_says_which(gateway):
     r = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "what is the key"}],
                                   max_tokens=8, extra_body={"kv_slo_s": 30.0})
     d = r.model_extra["kvrelay"]["scheduler"]
-    assert r.model == d["model"] and d["slo_met"] and set(d["predicted"]) == {BIG, SMALL}
+    assert r.model == d["model"] and d["slo_met"] and set(d["predicted"]) == {BIG, SMALL} and d["reason"]
+    assert set(d["plans"]) == {BIG, SMALL} and d["plans"][d["model"]]["channel"] == "none"
     direct = c.chat.completions.create(model=d["model"], messages=[{"role": "user", "content": "what is the key"}],
                                        max_tokens=8)
     assert r.choices[0].message.content == direct.choices[0].message.content
+
+
+def test_auto_leaves_out_a_handle_the_policy_calls_useless_and_counts_it(gateway, value):
+    """End to end: with a value model the scheduler answers a shared-regime request without the handle
+    (the answer is the request's alone, and says so), continues the cache for a private one."""
+    c, server = gateway["client"], gateway["server"]
+    remember = [{"role": "user", "content": f"Remember this. {FACTS}"}]
+    from_small = c.chat.completions.create(model=SMALL, messages=remember, max_tokens=6).model_extra["kvrelay"]
+    from_big = c.chat.completions.create(model=BIG, messages=remember, max_tokens=6).model_extra["kvrelay"]
+    s = server.scheduler
+    counted = {ch: decisions(gateway, ch) for ch in ("none", "kv")}
+    before = s.value, s.quality
+    s.value, s.quality = {BIG: value}, {BIG: 0.8, SMALL: 0.5}
+    try:
+        # SMALL's cache cannot be continued by BIG; the question repeats the facts: BIG answers without it
+        shared_q = [{"role": "user", "content": f"{FACTS}. What is the vault code?"}]
+        r = c.chat.completions.create(model="auto", messages=shared_q, max_tokens=6,
+                                      extra_body={"kv_context": [from_small["handle"]], "kv_slo_s": 60.0})
+        ext = r.model_extra["kvrelay"]
+        assert r.model == BIG and ext["scheduler"]["channel"] == "none"
+        assert ext["context"] == [{"index": 0, "channel": "none", "tokens": 0, "detail": ext["context"][0]["detail"]}]
+        assert ext["relayed_tokens"] == 0 and ext["scheduler"]["reason"].count("policy: none") == 1
+        alone = c.chat.completions.create(model=BIG, messages=shared_q, max_tokens=6)
+        assert r.choices[0].message.content == alone.choices[0].message.content
+        assert r.usage.prompt_tokens == alone.usage.prompt_tokens  # the handle's turn was not read
+        # a private question on BIG's own handle: the policy continues the cache
+        r2 = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "And what did I say?"}],
+                                       max_tokens=6, extra_body={"kv_context": [from_big["handle"]], "kv_slo_s": 60.0})
+        ext2 = r2.model_extra["kvrelay"]
+        assert r2.model == BIG and ext2["scheduler"]["channel"] == "kv" and ext2["context"][0]["channel"] == "kv"
+        assert ext2["relayed_tokens"] > 0 and ext2["scheduler"]["reason"].count("policy: kv") == 1
+        assert {ch: decisions(gateway, ch) - n for ch, n in counted.items()} == {"none": 1, "kv": 1}
+    finally:
+        s.value, s.quality = before

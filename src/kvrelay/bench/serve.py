@@ -69,6 +69,7 @@ class ServeBenchConfig:
     seed: int = 0
     threads: int | None = None
     engine: str = "fp32"
+    audits: tuple[Path, ...] = ()  # the scheduler's value models (serve.scheduler.fit_value_models)
 
     def __post_init__(self):
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -125,7 +126,9 @@ def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
         steps.append({"model": out.get("model", body["model"]), "s": time.perf_counter() - t,
                       "prompt_tokens": out.get("usage", {}).get("prompt_tokens"),
                       "relayed_tokens": ext.get("relayed_tokens", 0),
-                      "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])]})
+                      "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])],
+                      "channel": (ext.get("scheduler") or {}).get("channel"),
+                      "reason": (ext.get("scheduler") or {}).get("reason")})
     return {"task": task.id, "e2e_s": time.perf_counter() - t0, "score": score(task, answer), "answer": answer,
             "steps": steps}
 
@@ -148,7 +151,8 @@ def summarize(name: str, records: Sequence[dict], wall_s: float, load: Sequence[
     return {"name": name, "run": True, "p50_s": float(np.percentile(e2e, 50)), "p99_s": float(np.percentile(e2e, 99)),
             "throughput_rps": n_req / wall_s, "accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high,
             "workflows": len(records), "requests": n_req, "wall_s": wall_s,
-            "relay_hits": ctx.count("kv"), "fallbacks": {k: ctx.count(k) for k in sorted(set(ctx) - {"kv"})},
+            "relay_hits": ctx.count("kv"), "fallbacks": {k: ctx.count(k) for k in sorted(set(ctx) - {"kv", "none"})},
+            "left_out": ctx.count("none"),
             "models_used": {m: sum(s["model"] == m for r in records for s in r["steps"])
                             for m in sorted({s["model"] for r in records for s in r["steps"]})},
             "load1_before": load[0], "load1_after": load[1]}
@@ -243,7 +247,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
     rows: dict[str, dict] = {}
     serve_cfg = ServeConfig(models=config.models, port=0, store="memory://bench-serve", max_tokens=config.max_tokens,
                             limit_max_tokens=max(config.max_tokens, 2048), threads=config.threads,
-                            engine=config.engine, slo_s=config.slo_s)
+                            engine=config.engine, slo_s=config.slo_s, audits=config.audits)
     wanted = [s for s in KVRELAY_STRATEGIES if s in config.strategies]
     gateway = Gateway(serve_cfg)
     with gateway as url:
@@ -295,5 +299,5 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
-            "slo_s": config.slo_s, "seed": config.seed, "task_set": "gen (private regime)",
+            "slo_s": config.slo_s, "seed": config.seed, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

@@ -41,6 +41,8 @@ def bench_serve_cmd(
     doc_tokens: int = typer.Option(1024, help="document length of each task (tokens, approximate)"),
     max_tokens: int = typer.Option(24, help="max_tokens of every agent's request"),
     slo: float = typer.Option(60.0, help="the scheduler's per-request latency target (kv_slo_s), seconds"),
+    audits: str = typer.Option(None, help="comma-separated kvrelay audit folders for the scheduler's value model "
+                               "(kvrelay serve --audits)"),
     strategies: str = typer.Option(",".join(("scheduler", "round_robin", "always_smallest", "always_largest",
                                              "always_text", "transformers_serve", "vllm", "vllm_prefix_arranged")),
                                    help="which strategies to run (comma-separated)"),
@@ -63,11 +65,12 @@ def bench_serve_cmd(
     v.positive(threads, "--threads")
     v.engine(engine)
     v.writable_path(json_path, "--json")
+    audit_dirs = v.audit_folders(audits)
     if slo <= 0:
         raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
-                           engine=engine)
+                           engine=engine, audits=audit_dirs)
     res = bench_serve(cfg, progress=note,
                       checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()

@@ -27,6 +27,8 @@ def serve_cmd(
                                      "per run, so handles do not outlive the server)"),
     slo: float = typer.Option(None, help="latency target in seconds for requests to model \"auto\" that give no "
                               "kv_slo_s: the scheduler picks the most accurate model predicted to meet it"),
+    audits: str = typer.Option(None, help="comma-separated kvrelay audit folders: the scheduler fits a value model per "
+                               "audited model and picks each request's channel with the policy (docs/serve.md)"),
     ray: bool = typer.Option(False, "--ray", help="run each replica as a Ray actor (its own model copy) on a local "
                              "Ray cluster, or on --ray-address; the store must be redis:// or file://"),
     ray_address: str = typer.Option(None, help="an existing Ray cluster to use with --ray (auto, ray://HOST:10001)"),
@@ -49,6 +51,7 @@ def serve_cmd(
         raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     if not 0 <= port <= 65535:
         raise v.InvalidInput(f"--port {port}", "a TCP port in 0..65535")
+    audit_dirs = v.audit_folders(audits)
     if secret_file is not None:
         v.existing_file(secret_file, "--secret-file")
     if ray_address is not None and not ray:
@@ -67,5 +70,5 @@ def serve_cmd(
     config = ServeConfig(models=names, host=host, port=port, store=store, replicas=replicas,
                          handle_ttl_s=handle_ttl, max_tokens=max_tokens, limit_max_tokens=limit_max_tokens,
                          engine=engine, threads=threads, secret_file=secret_file, slo_s=slo, ray=ray,
-                         ray_address=ray_address)
+                         ray_address=ray_address, audits=audit_dirs)
     Gateway(config).run(on_ready=lambda url: err_console.print(f"kvrelay serve: {url}/v1 ({', '.join(names)})"))

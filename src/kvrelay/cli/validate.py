@@ -164,6 +164,21 @@ def existing_dir(path: str | Path, flag: str, what: str) -> Path:
     return p
 
 
+def audit_folders(value: str | None, flag: str = "--audits") -> tuple[Path, ...]:
+    """A comma list of ``kvrelay audit --out`` folders (each with config.json and records.jsonl); () for None."""
+    if value is None:
+        return ()
+    what = "folders written by kvrelay audit --out (config.json and records.jsonl), such as docs/audit/full-MODEL"
+    out = []
+    for item in csv(value, flag, "docs/audit/full-qwen2.5-coder-0.5b"):
+        p = existing_dir(item, flag, what)
+        for f in ("config.json", "records.jsonl"):
+            if not (p / f).is_file():
+                raise InvalidInput(f"{flag}: {item!r} has no {f}", what)
+        out.append(p)
+    return tuple(out)
+
+
 def writable_path(path: Path | None, flag: str) -> Path | None:
     """An output path: not an existing folder (for files) and not below an existing file."""
     if path is None:

@@ -36,6 +36,7 @@ from kvrelay.serve.replica import Replica, Result
 from kvrelay.serve.scheduler import Decision
 
 AUTO = "auto"  # the model name that lets the scheduler choose
+DROPPED = "the scheduler answered without this handle: its policy predicts no loss from leaving it out"
 
 
 def _error(status: int, body: dict) -> JSONResponse:
@@ -115,6 +116,7 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
             if model == AUTO and decide is not None:
                 decision = decide(req, opened)
                 model = decision.model
+                metrics.decided(decision)
             if model not in pool.models:
                 raise RequestError(f"the model {model!r} does not exist; expected one of {', '.join(pool.models)}",
                                    status=404, param="model", code="model_not_found")
@@ -125,16 +127,19 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
             metrics.refused(_label(body), err.status)
             return _error(err.status, err.body())
         replica = pool.pick(model)
+        given = opened
+        if decision is not None and decision.channel == "none":
+            opened = []  # the scheduler's policy answers without the handles (the response lists them)
         if req.stream:
-            return await _stream(replica, req, opened, model, decision)
+            return await _stream(replica, req, opened, model, decision, given)
         try:
             res: Result = await asyncio.wrap_future(replica.submit(req, opened))
         except RequestError as err:
             metrics.refused(model, err.status)
             return _error(err.status, err.body())
-        return completion_body(req, model, res.text, res.finish, res.usage, _ext(res, model, decision))
+        return completion_body(req, model, res.text, res.finish, res.usage, _ext(res, model, decision, given))
 
-    async def _stream(replica: Replica, req: ChatRequest, opened, model: str, decision):
+    async def _stream(replica: Replica, req: ChatRequest, opened, model: str, decision, given):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -162,7 +167,7 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
                 yield _sse(error_body(str(f.exception()), "server_error"))
             else:
                 res: Result = f.result()
-                yield _sse(chunk_body(req, model, {}, res.finish, _ext(res, model, decision)))
+                yield _sse(chunk_body(req, model, {}, res.finish, _ext(res, model, decision, given)))
                 if req.include_usage:
                     yield _sse(chunk_body(req, model, {}, usage=res.usage, choices=False))
             yield "data: [DONE]\n\n"
@@ -173,8 +178,13 @@ def create_app(pool: Pool, secret: bytes, *, default_max_tokens: int = 128, limi
     return app
 
 
-def _ext(res: Result, model: str, decision: Decision | None) -> dict:
-    return res.ext(model) | ({"scheduler": decision.to_json()} if decision is not None else {})
+def _ext(res: Result, model: str, decision: Decision | None, given) -> dict:
+    ext = res.ext(model)
+    if decision is None:
+        return ext
+    if decision.channel == "none" and given:  # left out by the scheduler: channel "none", no tokens read
+        ext["context"] = [{"index": i, "channel": "none", "tokens": 0, "detail": DROPPED} for i in range(len(given))]
+    return ext | {"scheduler": decision.to_json()}
 
 
 def _sse(obj: dict) -> str:

@@ -8,6 +8,8 @@
 * ``kvrelay_completion_tokens_total{model}``, ``kvrelay_requests_total{model,status}``
 * ``kvrelay_relay_hits_total{model}`` — handles whose cache was continued
 * ``kvrelay_relay_fallbacks_total{model,reason}`` — handles read as text, by reason (``serve.replica.REASONS``)
+* ``kvrelay_scheduler_decisions_total{model,channel,slo}`` — ``auto`` requests by the scheduler's choice
+  (``slo``: ``met``, ``missed`` or ``none``; the reason is in each response)
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Metrics:
         self.hits = Counter("kvrelay_relay_hits", "handles whose cache was continued", ["model"], registry=r)
         self.fallbacks = Counter("kvrelay_relay_fallbacks", "handles read as text instead", ["model", "reason"],
                                  registry=r)
+        self.decisions = Counter("kvrelay_scheduler_decisions", "requests to auto by the scheduler's model and "
+                                 "channel", ["model", "channel", "slo"], registry=r)
 
     def observe(self, model: str, res) -> None:
         """One answered request (a ``serve.replica.Result``)."""
@@ -61,6 +65,11 @@ class Metrics:
             else:
                 self.fallbacks.labels(model, u.reason).inc()
         self.requests.labels(model, "200").inc()
+
+    def decided(self, decision) -> None:
+        """One ``auto`` request routed (a ``serve.scheduler.Decision``)."""
+        slo = "none" if decision.slo_s is None else ("met" if decision.met else "missed")
+        self.decisions.labels(decision.model, decision.channel, slo).inc()
 
     def refused(self, model: str, status: int) -> None:
         self.requests.labels(model, str(status)).inc()

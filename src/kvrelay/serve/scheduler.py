@@ -1,30 +1,47 @@
-"""Which model answers a request sent to ``model: "auto"``: the most accurate one predicted to meet the SLO.
+"""Which model, and which channel, answers a request sent to ``model: "auto"``: the policy per model, under the SLO.
 
-For each served model ``m`` the scheduler predicts the request's latency:
+For each served model ``m`` the scheduler plans the request with the policy (``kvrelay.policy``):
 
-    prefill_tokens(m) = own tokens + (0 if m can continue the first handle's cache else the handles' tokens)
-    service(m)        = prefill_tokens(m) * prefill_s_per_token(m) + answer_tokens(m) * decode_s_per_token(m)
-    latency(m)        = waiting(m) / replicas(m) * mean_service_s(m) + service(m)
+* **cost model** — a ``policy.cost.CostProfile`` of ``m`` built from what this server measures
+  (``Costs``: prefill and decode seconds per token, mean answer length; one warm-up request per
+  model at start-up, then every answer, exponential average ``ALPHA``), so ``CostProfile.latency_s``
+  prices each channel: ``kv`` prefills only the request's own turn (the first handle's cache is
+  continued; fetching it is folded into the measured prefill rate), ``text_full`` re-encodes the
+  handles' messages too, ``none`` answers without them;
+* **predicted remaining output** — the model's mean answer length so far, capped by ``max_tokens``;
+* **queue** — ``waiting(m) / replicas(m) × mean service seconds(m)`` ahead of the request;
+* **value model** — when the server was given audits of ``m`` (``fit_value_models``), the channel is
+  ``policy.decide`` under the SLO budget left after queueing (``Slo(slo − queue)``): P(success) per
+  channel from the request's features (how much of the handles' words the request's own messages
+  already hold, the context length), the fastest channel among those not credibly worse, and its
+  one-line reason. Without a value model (or when no audited channel covers the request) the rule is
+  mechanical: ``kv`` when ``m`` can continue the first handle (signed, unexpired, made by ``m``),
+  else ``text_full``.
 
-where a model "can continue" a handle when the handle is signed, unexpired and made by ``m`` (the
-relay channel; otherwise its text is re-encoded), token counts are estimated from characters
-(``CHARS_PER_TOKEN``), ``answer_tokens`` is the model's mean answer length so far (capped by
-``max_tokens``), and the per-token costs and mean service time start from one warm-up request per
-model (``calibrate``) and follow every answer (exponential average, ``ALPHA``). The SLO is the
-request's ``kv_slo_s`` or the server's default. Among models whose predicted latency meets it, the
-one with the highest predicted accuracy wins (ties: the faster); when none meets it, the fastest.
-Predicted accuracy is a measured value per model when given (``quality=``), else the parameter
-count (a bigger model of one family answers better). The channel follows the model: relay when it
-can continue the cache, text otherwise.
+Token counts are estimated from characters (``CHARS_PER_TOKEN``). The request's SLO is its
+``kv_slo_s`` or the server's default. Among models whose plan (queue + channel latency) meets it,
+the most accurate wins — a measured accuracy per model when given (``quality=``), else the
+parameter count (a bigger model of one family answers better); ties go to the higher predicted
+P(success) of its channel, then the faster. When none meets it, the fastest. The decision and
+every model's plan are in the response (``Decision.to_json``) and counted in the metrics.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvrelay.core.errors import InvalidInput
+from kvrelay.core.jsonl import read_json_lines
+from kvrelay.policy.cost import CodecCost, CostProfile
+from kvrelay.policy.decide import Request, Slo
+from kvrelay.policy.decide import decide as policy_decide
+from kvrelay.policy.features import Features
+from kvrelay.policy.value import ValueModel, observations_from_records
 from kvrelay.serve.chat import Message
 from kvrelay.serve.handles import Opened
 from kvrelay.serve.pool import Pool
@@ -33,6 +50,8 @@ from kvrelay.serve.protocol import ChatRequest
 CHARS_PER_TOKEN = 4.0  # English text and code with BPE tokenizers, roughly
 ALPHA = 0.3  # weight of the newest observation in the running averages
 WARMUP = "Read this and reply with one word. " * 24  # ~200 tokens
+RAW = CodecCost("raw", 1.0, 0.0, 0.0, lossless=True)  # the served cache: continued as stored, no codec
+EXHAUSTED_S = 1e-9  # the SLO budget left when the queue alone uses it up: no channel meets it
 
 
 @dataclass(slots=True)
@@ -54,32 +73,88 @@ class Costs:
         self.answer_tokens = ewma(self.answer_tokens, answer_tokens)
         self.service_s = ewma(self.service_s, max(total_s - queue_s, 0.0))
 
+    def profile(self, model: str) -> CostProfile:
+        """This model's measured rates as a policy cost profile (in process: no link, no codec)."""
+        return CostProfile(model=model, prefill_fixed_s=0.0, prefill_s_per_token=self.prefill_s_per_token,
+                           decode_s_per_token=self.decode_s_per_token, raw_bytes_per_token=0.0,
+                           text_bytes_per_token=CHARS_PER_TOKEN, codecs=(RAW,))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One model's answer to a request: the channel for its handles and what it is predicted to cost."""
+
+    model: str
+    channel: str  # "kv" (continue the first handle's cache), "text_full" (re-encode), "none" (without them)
+    queue_s: float
+    latency_s: float  # the channel's latency by the cost model, after the queue
+    expected_success: float | None  # the value model's P(success) of the channel; None without one
+    reason: str  # one line
+
+    @property
+    def predicted_s(self) -> float:
+        return self.queue_s + self.latency_s
+
+    def to_json(self) -> dict:
+        return {"channel": self.channel, "predicted_s": self.predicted_s, "queue_s": self.queue_s,
+                "expected_success": self.expected_success, "reason": self.reason}
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     model: str
-    channel: str  # "kv" when the model continues the first handle's cache, else "text"
+    channel: str  # the chosen plan's channel
     predicted_s: float
     slo_s: float | None
     met: bool  # the chosen model's prediction meets the SLO
     predictions: tuple[tuple[str, float], ...]
+    reason: str = ""
+    plans: tuple[Plan, ...] = ()
+
+    @property
+    def expected_success(self) -> float | None:
+        return next((p.expected_success for p in self.plans if p.model == self.model), None)
 
     def to_json(self) -> dict:
         return {"model": self.model, "channel": self.channel, "predicted_s": self.predicted_s, "slo_s": self.slo_s,
-                "slo_met": self.met, "predicted": dict(self.predictions)}
+                "slo_met": self.met, "predicted": dict(self.predictions), "reason": self.reason,
+                "expected_success": self.expected_success, "plans": {p.model: p.to_json() for p in self.plans}}
 
 
 def _tokens(messages: Sequence[Message]) -> int:
     return round(sum(len(m.content) + 16 for m in messages) / CHARS_PER_TOKEN)  # +16: the turn markers
 
 
+def _text(messages: Iterable[Message]) -> str:
+    return "\n".join(m.content for m in messages)
+
+
+def fit_value_models(folders: Iterable[str | Path]) -> dict[str, ValueModel]:
+    """One value model per audited model, fitted on the audits' ``records.jsonl`` (``kvrelay audit --out``
+    folders; their ``config.json`` names the model). Overlap comes from each record's regime."""
+    by_model: dict[str, list] = {}
+    for f in map(Path, folders):
+        cfg, recs = f / "config.json", f / "records.jsonl"
+        if not (cfg.is_file() and recs.is_file()):
+            raise InvalidInput(f"audit folder {f} has no config.json and records.jsonl",
+                               "a folder written by kvrelay audit --out")
+        conf = json.loads(cfg.read_text(encoding="utf-8"))
+        run = f / "run.json"
+        engine = json.loads(run.read_text(encoding="utf-8")).get("engine", "fp32") if run.is_file() else "fp32"
+        by_model.setdefault(conf["model"], []).extend(
+            observations_from_records(read_json_lines(recs, cut_tail_ok=True), engine=engine, source=str(f)))
+    return {m: ValueModel.fit(obs, sources=tuple(sorted({o.source for o in obs}))) for m, obs in by_model.items()}
+
+
 class Scheduler:
-    def __init__(self, pool: Pool, *, slo_s: float | None = None, quality: Mapping[str, float] | None = None):
+    def __init__(self, pool: Pool, *, slo_s: float | None = None, quality: Mapping[str, float] | None = None,
+                 value: Mapping[str, ValueModel] | None = None):
         self.pool = pool
         self.slo_s = slo_s
         reps = {m: rs[0] for m, rs in pool.replicas.items()}
         self.fingerprints = {m: r.fingerprint for m, r in reps.items()}
         self.quality = dict(quality) if quality else {m: float(r.params) for m, r in reps.items()}
+        self.value = {m: v for m, v in (value or {}).items() if m in self.fingerprints}
         self.costs: dict[str, Costs] = {}
         self._lock = threading.Lock()
         for r in pool.all():
@@ -103,28 +178,68 @@ class Scheduler:
         for f in futs:
             f.result()
 
-    def predict(self, model: str, req: ChatRequest, opened: Sequence[Opened]) -> tuple[float, str]:
+    def can_continue(self, model: str, opened: Sequence[Opened]) -> bool:
+        """Whether ``model`` may continue the first handle's cache (what its replica checks first)."""
+        if not opened:
+            return False
+        h = opened[0].handle
+        return opened[0].signed and h.fingerprint == self.fingerprints[model] and h.expires > time.time()
+
+    def plan(self, model: str, req: ChatRequest, opened: Sequence[Opened], slo_s: float | None = None) -> Plan:
+        """``model``'s channel for the request and its predicted latency (module docstring)."""
         c = self.costs.get(model)
         if c is None:
-            return float("inf"), "text"
-        first = opened[0].handle if opened else None
-        reuse = bool(opened) and opened[0].signed and first.fingerprint == self.fingerprints[model] \
-            and first.expires > time.time()
-        context = [m for o in opened[(1 if reuse else 0):] for m in o.handle.messages]
-        prefill = _tokens(list(context) + list(req.messages)) + 2
-        answer = min(float(req.max_tokens), max(c.answer_tokens, 1.0))
-        service = prefill * c.prefill_s_per_token + answer * c.decode_s_per_token
-        waiting = self.pool.depth(model) / len(self.pool.replicas[model]) * c.service_s
-        return waiting + service, ("kv" if reuse else "text")
+            return Plan(model, "text_full" if opened else "none", 0.0, float("inf"), None, "no measured costs yet")
+        cost = c.profile(model)
+        queue_s = self.pool.depth(model) / len(self.pool.replicas[model]) * c.service_s
+        answer = round(min(float(req.max_tokens), max(c.answer_tokens, 1.0)))
+        own = _tokens(list(req.messages)) + 2  # + the answer's opening markers
+        if not opened:
+            lat = cost.latency_s("none", None, context_tokens=1, prompt_tokens=own, answer_tokens=answer)
+            return Plan(model, "none", queue_s, lat, None, "no context handles")
+        first = list(opened[0].handle.messages)
+        later = [m for o in opened[1:] for m in o.handle.messages]  # always re-encoded (only the first is cached)
+        context, prompt = _tokens(first) + 1, own + (_tokens(later) if later else 0)
+        reuse = self.can_continue(model, opened)
+        vm = self.value.get(model)
+        if vm is not None:
+            feats = Features.of(_text(first + later), _text(req.messages), context)
+            budget = None if slo_s is None else max(slo_s - queue_s, EXHAUSTED_S)
+            ask = Request(feats, prompt_tokens=prompt, answer_tokens=answer, compatible=reuse, codecs=("raw",))
+            try:
+                d = policy_decide(ask, Slo(budget), vm, cost)
+            except InvalidInput:
+                why = "no audited channel covers this request"
+            else:
+                if d.channel != "none" or req.messages:  # a request of handles only cannot leave them out
+                    return Plan(model, d.channel, queue_s, d.latency_s, d.expected_success, f"policy: {d.reason}")
+                why = "the policy would leave out every message"
+        else:
+            why = "no value model"
+        channel = "kv" if reuse else "text_full"
+        lat = cost.latency_s(channel, "raw" if reuse else None, context_tokens=context, prompt_tokens=prompt,
+                             answer_tokens=answer)
+        return Plan(model, channel, queue_s, lat, None,
+                    f"{why}: kv when this model can continue the first handle's cache, else text_full")
+
+    def predict(self, model: str, req: ChatRequest, opened: Sequence[Opened]) -> tuple[float, str]:
+        """(predicted seconds, channel) of ``model`` under the request's SLO."""
+        with self._lock:
+            p = self.plan(model, req, opened, req.slo_s if req.slo_s is not None else self.slo_s)
+        return p.predicted_s, p.channel
 
     def decide(self, req: ChatRequest, opened: Sequence[Opened]) -> Decision:
         slo = req.slo_s if req.slo_s is not None else self.slo_s
         with self._lock:
-            preds = {m: self.predict(m, req, opened) for m in self.pool.models}
-        ok = [m for m, (s, _) in preds.items() if slo is None or s <= slo]
+            plans = [self.plan(m, req, opened, slo) for m in self.pool.models]
+        ok = [p for p in plans if slo is None or p.predicted_s <= slo]
         if ok:
-            best = max(ok, key=lambda m: (self.quality[m], -preds[m][0]))
+            best = max(ok, key=lambda p: (self.quality[p.model], -1.0 if p.expected_success is None
+                                          else p.expected_success, -p.predicted_s))
+            why = (f"{best.model}: the most accurate of {len(ok)}/{len(plans)} models predicted to meet the SLO"
+                   if slo is not None else f"{best.model}: the most accurate (no SLO)")
         else:
-            best = min(preds, key=lambda m: preds[m][0])
-        return Decision(best, preds[best][1], preds[best][0], slo, bool(ok),
-                        tuple((m, s) for m, (s, _) in preds.items()))
+            best = min(plans, key=lambda p: p.predicted_s)
+            why = f"{best.model}: no model is predicted to meet the SLO {slo:g} s, the fastest taken"
+        return Decision(best.model, best.channel, best.predicted_s, slo, bool(ok),
+                        tuple((p.model, p.predicted_s) for p in plans), f"{why}; {best.reason}", tuple(plans))

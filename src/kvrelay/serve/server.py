@@ -41,6 +41,7 @@ class ServeConfig:
     graceful_s: float = 30.0
     slo_s: float | None = None  # the scheduler's latency target for requests that give no kv_slo_s
     quality: tuple[tuple[str, float], ...] = ()  # measured accuracy per model for the scheduler (else size)
+    audits: tuple[Path, ...] = ()  # kvrelay audit folders: the scheduler's value model per audited model
     ray: bool = False  # one Ray actor per replica (serve.ray_pool) instead of threads in this process
     ray_address: str | None = None  # an existing cluster ("auto", "ray://HOST:10001"); None: a local one
 
@@ -122,9 +123,10 @@ class Gateway:
                              configure_logging=False)
                 self._stack.callback(ray.shutdown)
         pool = self._pool if self._pool is not None else load_pool(c, store, secret)
-        from kvrelay.serve.scheduler import Scheduler
+        from kvrelay.serve.scheduler import Scheduler, fit_value_models
 
-        self.scheduler = Scheduler(pool, slo_s=c.slo_s, quality=dict(c.quality) or None)
+        self.scheduler = Scheduler(pool, slo_s=c.slo_s, quality=dict(c.quality) or None,
+                                   value=fit_value_models(c.audits) if c.audits else None)
         self.scheduler.calibrate()
         app = create_app(pool, secret, default_max_tokens=c.max_tokens, limit_max_tokens=c.limit_max_tokens,
                          decide=self.scheduler.decide)
