@@ -25,6 +25,7 @@ def test_every_receiver_writes_the_text_answer_and_the_engine_reuses_whole_pages
     for r in res["rows"]:
         assert set(ROW_FIELDS) <= set(r) and r["answer_equal_to_text"], r
         assert r["ttft_s"] > 0 and len(r["ttft_s_each"]) == 2
+        assert ("inject_s" in r) == r["mode"].startswith("continuous_batching")
     T = raw["context_tokens"]
     assert T >= 32 and by["continuous_batching"]["reused_tokens"] == (T // 16) * 16  # whole pages, not prefilled
     assert by["continuous_batching_text"]["reused_tokens"] == 0

@@ -107,7 +107,8 @@ def trial(receiver: Agent, blob: bytes, ids: list[int], mode: str, setup: Setup)
                                eos_token_id=sorted(receiver.stop_ids), page_size=setup.page_size,
                                max_batch_tokens=setup.max_batch_tokens)
     return {"ttft_s": unpack_s + e.ttft_s, "tokens": list(_until_stop(e.tokens, receiver.stop_ids)),
-            "reused_tokens": e.reused_tokens, "prefilled_tokens": e.prefilled_tokens}
+            "reused_tokens": e.reused_tokens, "prefilled_tokens": e.prefilled_tokens, "inject_s": e.inject_s,
+            "engine_first_token_s": e.first_token_s}
 
 
 def bench_connector(lm, setup: Setup = Setup(), *, allow_load: bool = False, load_reader: LoadReader = load1,
@@ -159,7 +160,9 @@ def rows(raw: dict, decode: Callable[[list[int]], str]) -> list[dict]:
                     "answer": decode(runs[0]["tokens"]),
                     "answer_equal_to_text": all(r["tokens"] == want for r in runs),
                     "reused_tokens": runs[0]["reused_tokens"], "prefilled_tokens": runs[0]["prefilled_tokens"],
-                    "answer_tokens": runs[0]["tokens"], "ttft_s_each": [r["ttft_s"] for r in runs]})
+                    "answer_tokens": runs[0]["tokens"], "ttft_s_each": [r["ttft_s"] for r in runs],
+                    **{k: float(statistics.median(r[k] for r in runs)) for k in ("inject_s", "engine_first_token_s")
+                       if k in runs[0]}})
     text_ttft = out[0]["ttft_s"]
     for row in out:
         row["ttft_speedup_vs_text"] = text_ttft / row["ttft_s"] if row["ttft_s"] > 0 else None
