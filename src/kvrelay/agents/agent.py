@@ -35,6 +35,7 @@ from kvrelay.models.attention import tail_aligned_attention
 from kvrelay.models.engine import mode
 from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
+from kvrelay.models.sampling import Sampler
 from kvrelay.models.speculative import SpecStats
 
 LAYOUTS = ("continue", "replace")
@@ -307,13 +308,18 @@ class Agent:
                           PayloadMeta.from_identity(self.identity, producer=self.name, round=self.round))
 
     def respond_batch(self, prompts: Sequence[str], contexts: Sequence[Context], *,
-                      max_new_tokens: int | None = None) -> list[Response]:
+                      max_new_tokens: int | None = None, temperature: float = 0.0,
+                      seeds: Sequence[int] | None = None) -> list[Response]:
         """Answer several prompts in one padded batch (continue layout).
 
         ``contexts`` are either all payloads (each row continues its own relayed cache) or all
         text-like (token ids, a document string, or None: each row prefills its context itself).
         Rows are left-padded; an explicit (B, cached + new) attention mask hides every pad slot.
+        ``temperature`` > 0 samples instead of decoding greedily, row ``b`` from its own generator
+        seeded with ``seeds[b]`` (``models.sampling.Sampler``): reproducible per row, whatever the batch.
         """
+        if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+            raise ValueError(f"sampling at temperature {temperature} needs one seed per prompt")
         if len(prompts) != len(contexts) or not prompts:
             raise ValueError(f"need as many prompts as contexts (got {len(prompts)} and {len(contexts)})")
         relayed = [isinstance(c, KVPayload) for c in contexts]
@@ -333,7 +339,8 @@ class Agent:
             out: list[Response | None] = [None] * len(prompts)
             for members in groups.values():
                 part = self.respond_batch([prompts[b] for b in members], [contexts[b] for b in members],
-                                          max_new_tokens=max_new_tokens)
+                                          max_new_tokens=max_new_tokens, temperature=temperature,
+                                          seeds=None if seeds is None else [seeds[b] for b in members])
                 for b, r in zip(members, part, strict=True):
                     out[b] = r
             return out  # type: ignore[return-value]
@@ -354,7 +361,9 @@ class Agent:
             mask = real if not bool(real.all()) else None
         build_s = time.perf_counter() - t0
         ids_t = torch.tensor([[pad] * (q - len(i)) + i for i in ids], dtype=torch.int64)  # (B, q)
-        out = generate(self.model, cache, ids_t, pos_t.to(torch.int64), mask, n_new, self.stop_ids, pad_id=pad)
+        choose = Sampler(temperature, seeds) if temperature > 0 else None  # type: ignore[arg-type]
+        out = generate(self.model, cache, ids_t, pos_t.to(torch.int64), mask, n_new, self.stop_ids, pad_id=pad,
+                       choose=choose)
         self.round += 1
         res = []
         for b, c in enumerate(contexts):

@@ -5,6 +5,7 @@ Light on purpose (no torch): the CLI lists presets and checks task specs before 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -33,6 +34,7 @@ class AuditConfig:
     margin: float = 2.8
     n_boot: int = 2000
     preset: str = "custom"
+    temperature: float = 0.0  # 0: greedy; > 0: the receiver samples, seeded per (seed, task, arm)
 
     def __post_init__(self):
         # Arm names are parsed by ``kvrelay.audit.arms.parse_arm`` when a runner is built (that module
@@ -41,6 +43,9 @@ class AuditConfig:
             raise ValueError("an audit needs at least one task set, one arm and one seed")
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 decodes greedily), got {t!r}")
         for t in self.tasks:
             split_task_spec(t, self.limit)
 

@@ -57,6 +57,35 @@ def _sorted_effects(rows: Sequence[Mapping]) -> list[Mapping]:
     return sorted(rows, key=key)
 
 
+SEED_FACTORS = {"option_order": "the multiple-choice option order (answer slot balanced across seeds)",
+                "mismatch_partner": "the mismatch partner (another task of similar length per seed)",
+                "sampling": "the receiver's sampling draw (temperature {t:g})",
+                "random_draws": "the random draws of kv_random / kv_noise"}
+
+
+def seeds_vary_text(design: Mapping) -> str:
+    """One line: what the seeds varied, and the share of tasks whose success moved with them."""
+    varies = design.get("varies") or []
+    if not varies:
+        return "nothing: every seed repeated the same trial (greedy decoding, same input), so tasks are the evidence"
+    text = "; ".join(SEED_FACTORS[v].format(t=design.get("temperature") or 0) for v in varies if v in SEED_FACTORS)
+    moved = [r for r in design.get("by_arm") or [] if r.get("tasks")]
+    if moved:
+        text += " — tasks whose success differs between seeds: " + ", ".join(
+            f"{r['arm']} {100 * r['varying']:.0f}%" for r in _pooled_by_arm(moved))
+    return text
+
+
+def _pooled_by_arm(rows: Sequence[Mapping]) -> list[dict]:
+    """``seed_report``'s per-cell shares pooled per arm (weighted by tasks), in report arm order."""
+    tasks: dict[str, int] = {}
+    varying: dict[str, float] = {}
+    for r in rows:
+        tasks[r["arm"]] = tasks.get(r["arm"], 0) + r["tasks"]
+        varying[r["arm"]] = varying.get(r["arm"], 0.0) + r["varying"] * r["tasks"]
+    return [{"arm": a, "varying": varying[a] / tasks[a]} for a in sorted(tasks, key=arm_rank)]
+
+
 # ---------------------------------------------------------------- sections
 
 
@@ -82,6 +111,8 @@ def _facts(records: Sequence[Mapping], summary: Mapping, meta: Mapping) -> Secti
     rows.append(("trials", str(len(records))))
     if "seeds" in summary and meta_text(summary["seeds"]) != meta_text(meta.get("seeds", "")):
         rows.append(("seeds in records", meta_text(summary["seeds"])))
+    if summary.get("seed_design"):
+        rows.append(("seeds vary", seeds_vary_text(summary["seed_design"])))
     s = summary.get("settings") or {}
     if s:
         rows.append(("statistics", f"{_conf(s)} BCa bootstrap ({s.get('n_boot', '?')} resamples, cluster over tasks),"

@@ -2,10 +2,15 @@
 
 Protocol (stated once):
 
-* The sender reads each task's context once (one prefill per task); every cache arm starts
-  from that payload. Tasks run in batches of similar length; the mismatched payload of a task is
-  the reading of the *next* task in run order (a fixed shift within the batch, as in the paper),
-  cut or extended with further real contexts to *exactly* the matched payload's length, with
+* Seeds vary something (``audit.seeding``): a multiple-choice task's option order (the answer's
+  slot balanced across seeds), the mismatch partner, and with ``temperature`` > 0 the receiver's
+  sampling draw. Each record says what its seed showed: ``option_order`` (original option index
+  per slot), ``partner`` (the mismatch partner's task id), ``temperature``.
+* The sender reads each task's context once per distinct text (once per task when the seed does
+  not change it); every cache arm starts from that payload. Tasks run in batches of similar
+  length; the mismatched payload of a task is the reading of the task ``partner_shift(seed)``
+  places after it in run order (the next one under seed 0, as in the paper), as that seed shows
+  it, cut or extended with further real contexts to *exactly* the matched payload's length, with
   the same wrapper tokens. Its cache is reused from the partner's own payload when it was read.
 * Adapter arms (``kv_adapter:NAME``, ``audit.channels``): the sharer model of artefact NAME reads
   each task's context with the sender's role, once per task; ``kv_adapter_mismatched:NAME`` gets
@@ -14,10 +19,11 @@ Protocol (stated once):
   the adapter's own work is part of ``relay_s``. Variant arms (``kv_variant:NAME:REPAIR``) read the
   same way with the sibling ``BASE+NAME`` as sharer, once per variant whatever the repairs, and its
   cache goes through each arm's repair (its time is in ``relay_s``).
-* Decoding is greedy, so an arm whose input does not depend on the seed (everything but
-  ``kv_random`` and ``kv_noise``) gives the same answer under every seed: it is computed once
-  per task and recorded for each seed. Seeds drive the random draws and the arm order; the
-  statistics bootstrap over tasks (clusters), so repeated seeds never inflate the evidence.
+* Greedy decoding (``temperature`` 0): a trial whose input is the same under two seeds (same
+  text shown, same partner, no random draw) gives the same answer; it is computed once and
+  recorded for each seed (``reused``). Seeds also drive the random draws and the arm order; the
+  statistics bootstrap over tasks (clusters, all their seeds together), so repeated seeds never
+  inflate the evidence and varied ones add the within-task variation they create.
 * Tasks run in batches (one padded forward per arm); arm order is rotated per batch and seed
   (counterbalanced). Latencies of a batched trial are the batch's time divided by its rows, the
   same accounting for every arm.
@@ -26,8 +32,9 @@ Protocol (stated once):
   text arms, 0 for ``none``. ``prefill_tokens`` = tokens the receiver prefilled.
 * Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped. A run may
   add task sets, arms or seeds to a folder; it must keep the model (fingerprint), the batch size,
-  the message length and each set's task count, since those decide which tasks share a batch
-  and who is whose mismatch partner (``AuditResumeMismatch`` otherwise). ``config.json`` holds
+  the message length, the temperature, the seed design (``seeding.SEED_DESIGN``) and each set's
+  task count, since those decide which tasks share a batch, what a seed shows and who is whose
+  mismatch partner (``AuditResumeMismatch`` otherwise). ``config.json`` holds
   the union of what ran, with each set's task count under ``sets``.
 * A task set may carry its own cap: ``squad:160`` runs the first 160 tasks of SQuAD's fixed
   order whatever ``limit`` says.
@@ -50,6 +57,7 @@ from kvrelay.audit.arms import Arm, build_kv, parse_arm
 from kvrelay.audit.channels import open_channel, open_variant, relabelled, variant_adapter
 from kvrelay.audit.config import AuditConfig, split_task_spec  # noqa: F401 (re-exported)
 from kvrelay.audit.partners import mismatch_partners, run_order
+from kvrelay.audit.seeding import SEED_DESIGN, row_seed, seeded
 from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.audit.vocab import PARTIAL_ARMS
 from kvrelay.core.errors import KVRelayError
@@ -76,6 +84,8 @@ class _TaskState:
     sender_s: float
     mismatched: KVPayload | None = None
     shared: dict = field(default_factory=dict)  # channel -> (sharer payload, sharer seconds, mismatched or None)
+    order: tuple[int, ...] | None = None  # option order this seed shows (``seeding.seeded``), None if unchanged
+    partner: str | None = None  # task id of the mismatch partner under this seed
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
@@ -217,8 +227,14 @@ class AuditRunner:
         relay_s = time.perf_counter() - t0 - sender_extra
         prompts = [s.task.prompt for s in states]
         partial = self._partial_adapter(arm)
+        temp = self.cfg.temperature
         if partial is None:
-            responses = self.receiver.respond_batch(prompts, contexts, max_new_tokens=max_new)
+            seeds = [row_seed(seed, s.task.id, arm.name) for s in states] if temp > 0 else None
+            responses = self.receiver.respond_batch(prompts, contexts, max_new_tokens=max_new, temperature=temp,
+                                                    seeds=seeds)
+        elif temp > 0:
+            raise ValueError(f"{arm.name}: a cache for some layers only is read greedily, one row at a time; "
+                             "run it with temperature 0")
         else:  # a cache for some layers only is read one row at a time (no padded batch)
             reader = Agent(self.lm, "receiver", role=RECEIVER_ROLE, adapter=partial)
             responses = [reader.respond(p, c, max_new_tokens=max_new) for p, c in zip(prompts, contexts, strict=True)]
@@ -235,35 +251,57 @@ class AuditRunner:
                 "ttft_s": r.ttft_s / per, "decode_s": r.decode_s / per,
                 "latency_s": (relay_s + sender_extra) / B + (r.ttft_s + r.decode_s) / per, "batch": per,
             })
+            if s.order is not None:
+                rows[-1]["option_order"] = list(s.order)
+            if arm.needs_mismatch or arm.mismatched_control:
+                rows[-1]["partner"] = s.partner
+            if temp > 0:
+                rows[-1]["temperature"] = temp
         return rows
 
-    def read_batch(self, tasks: list[Task], batch: list[int], partners: list[int]) -> list[_TaskState]:
+    def read_batch(self, tasks: list[Task], batch: list[int], partners: list[int],
+                   readings: dict | None = None) -> list[_TaskState]:
         """The sender reads each task of ``batch`` (indices into ``tasks``); with a mismatch arm, each
-        state also gets its length-matched mismatched payload from task ``partners[i]``."""
+        state also gets its length-matched mismatched payload from task ``partners[i]``.
+
+        ``readings`` (``{(reader, task id, text): (payload, seconds)}``) keeps the readings of earlier
+        seeds: a text a seed shows unchanged is not read again."""
+        readings = {} if readings is None else readings
         states = []
         for i in batch:
-            t0 = time.perf_counter()
-            p = self.sender.read(tasks[i].context)
-            states.append(_TaskState(tasks[i], i, p, time.perf_counter() - t0))
+            p, secs = self._reading(readings, "sender", tasks[i], self.sender.read)
+            states.append(_TaskState(tasks[i], i, p, secs, partner=tasks[partners[i]].id))
         if any(a.needs_mismatch for a in self.arms):
-            read = {st.index: st.payload for st in states}
             for st in states:
                 j = partners[st.index]
-                st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read.get(j))
+                read = readings.get(("sender", tasks[j].id, tasks[j].context))
+                st.mismatched = self._mismatched(tasks, j, st.payload.num_tokens, read and read[0])
         for name, ch in self.channels.items():
-            self._share(name, ch, tasks, states, partners)
+            self._share(name, ch, tasks, states, partners, readings)
         return states
 
-    def _share(self, name: str, ch, tasks: list[Task], states: list[_TaskState], partners: list[int]) -> None:
+    @staticmethod
+    def _reading(readings: dict, reader: str, task: Task, read) -> tuple[KVPayload, float]:
+        """``read(task.context)`` and its seconds, from ``readings`` when this text was read already."""
+        key = (reader, task.id, task.context)
+        if key not in readings:
+            t0 = time.perf_counter()
+            p = read(task.context)
+            readings[key] = (p, time.perf_counter() - t0)
+        return readings[key]
+
+    def _share(self, name: str, ch, tasks: list[Task], states: list[_TaskState], partners: list[int],
+               readings: dict) -> None:
         """The sharer of channel ``name`` reads each task; its length-matched reading of the partner for the control."""
         for st in states:
-            t0 = time.perf_counter()
-            st.shared[name] = (ch.read(st.task.context), time.perf_counter() - t0, None)
+            p, secs = self._reading(readings, name, st.task, ch.read)
+            st.shared[name] = (p, secs, None)
         if any(a.mismatched_control and a.channel == name for a in self.arms):
-            read = {st.index: st.shared[name][0] for st in states}
             for st in states:
                 p, secs, _ = st.shared[name]
-                other = length_matched(ch.agent, tasks, partners[st.index], p.num_tokens, read.get(partners[st.index]))
+                j = partners[st.index]
+                read = readings.get((name, tasks[j].id, tasks[j].context))
+                other = length_matched(ch.agent, tasks, j, p.num_tokens, read and read[0])
                 st.shared[name] = (p, secs, relabelled(other, p))
 
     def run_set(self, name: str, done: set, sink, limit: int | None = None) -> None:
@@ -272,31 +310,46 @@ class AuditRunner:
             raise ValueError(f"task set {name!r} has {len(tasks)} task(s); the mismatched arm needs at least 2")
         max_new = MAX_NEW.get(tasks[0].scorer, 16)
         bs = self.cfg.batch_size
-        order = run_order(tasks)
-        partners = mismatch_partners(order)
+        order = run_order(tasks)  # by length, which no seed changes (a reordering keeps the characters)
+        views = {s: [seeded(t, s) for t in tasks] for s in self.cfg.seeds}  # (task as seed s shows it, order)
+        partners = {s: mismatch_partners(order, s) for s in self.cfg.seeds}
         for b0 in range(0, len(tasks), bs):
             batch = order[b0:b0 + bs]
             todo = {(tasks[i].id, a.name, s) for i in batch for a in self.arms for s in self.cfg.seeds} - done
             if not todo:
                 continue
-            states = self.read_batch(tasks, batch, partners)
+            readings: dict = {}  # this batch's readings, shared by the seeds that show the same text
             for k, seed in enumerate(self.cfg.seeds):
+                if not any(key[2] == seed for key in todo):
+                    continue
+                shown = [t for t, _ in views[seed]]
+                states = self.read_batch(shown, batch, partners[seed], readings)
+                for st in states:
+                    st.order = views[seed][st.index][1]
                 rot = (b0 // bs + k) % len(self.arms)
                 for arm in self.arms[rot:] + self.arms[:rot]:
                     need = [st for st in states if (st.task.id, arm.name, seed) in todo]
                     if not need:
                         continue
-                    reusable = not arm.stochastic
-                    if reusable and all((st.task.id, arm.name) in self._memo for st in need):
-                        rows = [dict(self._memo[(st.task.id, arm.name)], seed=seed, reused=True) for st in need]
+                    keys = [self._memo_key(arm, st) for st in need]
+                    if all(key is not None and key in self._memo for key in keys):
+                        rows = [dict(self._memo[key], seed=seed, reused=True) for key in keys]
                     else:
                         rows = self._run_arm(arm, need, seed, max_new)
-                        if reusable:
-                            for st, r in zip(need, rows, strict=True):
-                                self._memo[(st.task.id, arm.name)] = r
+                        for key, r in zip(keys, rows, strict=True):
+                            if key is not None:
+                                self._memo[key] = r
                     for r in rows:
                         sink(r)
                     self.progress(len(rows))
+
+    def _memo_key(self, arm: Arm, st: _TaskState) -> tuple | None:
+        """What a trial's answer depends on besides the model: the text shown and, for a control, the
+        partner; None when it also depends on the seed itself (random draws, sampling)."""
+        if arm.stochastic or self.cfg.temperature > 0:
+            return None
+        partner = st.partner if arm.needs_mismatch or arm.mismatched_control else None
+        return st.task.id, arm.name, st.task.context, st.task.prompt, partner
 
     def set_sizes(self) -> dict[str, int]:
         """Tasks per set this run covers, ``{name: count}``."""
@@ -326,7 +379,11 @@ class AuditRunner:
             raise AuditResumeMismatch(f"{self.out} holds records of another model ({prev.get('model')!r}, "
                                       f"fingerprint {fp[:12]}…); this run loads {self.cfg.model!r} "
                                       f"({self.versions['model_fingerprint'][:12]}…): use a new --out")
-        for key in ("batch_size", "message_tokens"):
+        if done and prev.get("seed_design") != SEED_DESIGN:
+            made = prev.get("seed_design") or "an earlier version, whose seeds repeated the same trials"
+            raise AuditResumeMismatch(f"{self.out} holds records made under seed design {made!r}; this version's "
+                                      f"seeds vary {SEED_DESIGN!r} (docs/audit.md): use a new --out")
+        for key in ("batch_size", "message_tokens", "temperature"):
             if key in prev and prev[key] != getattr(self.cfg, key):
                 raise AuditResumeMismatch(f"{self.out} was run with {key}={prev[key]}; this run asks for "
                                           f"{getattr(self.cfg, key)}: pass --{key.replace('_', '-')} {prev[key]} "
@@ -344,7 +401,8 @@ class AuditRunner:
             return list(dict.fromkeys([*a, *b]))
 
         sets = {**old_sets, **sizes}
-        return {**prev, **asdict(self.cfg), "tasks": list(sets), "arms": union(prev.get("arms", ()), self.cfg.arms),
+        return {**prev, **asdict(self.cfg), "seed_design": SEED_DESIGN, "tasks": list(sets),
+                "arms": union(prev.get("arms", ()), self.cfg.arms),
                 "seeds": union(prev.get("seeds", ()), self.cfg.seeds), "sets": sets, "versions": self.versions}
 
     def check_resume(self) -> None:

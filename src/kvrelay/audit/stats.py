@@ -10,7 +10,9 @@ Conventions, stated once:
 - ``success`` effects are in POINTS (score × 100, so +4.1 means 4.1 percentage points);
   ``latency_s`` in seconds, ``relay_bytes`` in bytes, ``prefill_tokens`` in tokens.
 - Estimate = mean of the paired differences; CI = BCa bootstrap (95% by default), a cluster
-  bootstrap over tasks when tasks have several seeds (:mod:`kvrelay.audit.bootstrap`).
+  bootstrap over tasks when tasks have several seeds (:mod:`kvrelay.audit.bootstrap`): a task's
+  seeds are resampled together, so the variation its seeds create (option order, mismatch
+  partner, sampling: :mod:`kvrelay.audit.seeding`) enters within the cluster, never as extra tasks.
 - p-values: exact McNemar for binary success with one seed; Wilcoxon signed-rank otherwise (on
   per-task mean differences with several seeds) (:func:`~kvrelay.audit.hypothesis.paired_test`).
 - Holm families: all ``success`` effects reported (every regime, task set, pooled ``ALL`` cell
@@ -52,6 +54,7 @@ from kvrelay.audit.paired import (
     parse_arm,
     validate_records,
 )
+from kvrelay.audit.seeding import seed_report
 from kvrelay.audit.subgroups import cate_regression, cate_subgroups
 from kvrelay.audit.verdict import verdict
 from kvrelay.audit.vocab import ALPHA, contrasts_for
@@ -291,6 +294,7 @@ def summarize(
     """The ``summary.json`` body (docs/json.md; the caller adds ``model``).
 
     Keys: ``n_tasks`` (distinct task-set/task_id pairs), ``tasks`` (per task set), ``seeds``,
+    ``seed_design`` (what the seeds varied and how often a task's success moved with them: ``seeding.seed_report``),
     ``effects`` (per regime × task set and pooled ``ALL`` × present contrast × outcome; success in
     points), ``equivalence`` (TOST for ``equivalence_contrasts`` on success), ``cate`` (subgroup
     effects, BH-corrected ``p_fdr``), ``cate_regression``, ``dose_response``, ``cost_benefit``,
@@ -303,6 +307,7 @@ def summarize(
         raise ValueError(f"unknown equivalence contrast(s) {unknown}; expected some of {list(CONTRASTS)}")
     if not (isinstance(margin, int | float) and math.isfinite(margin) and margin > 0):
         raise ValueError(f"margin must be a positive number of points, got {margin!r}")
+    records = list(records)
     audit = _Audit(records, confidence=confidence, n_boot=n_boot, seed=seed)
     effects, unmatched = _effects(audit)
     cate, cate_reg = _cate(audit, n_bins, max_distinct)
@@ -313,6 +318,7 @@ def summarize(
         "n_tasks": sum(len(v) for v in tasks.values()),
         "tasks": {k: len(v) for k, v in sorted(tasks.items())},
         "seeds": sorted({t.seed for t in audit.trials}),
+        "seed_design": seed_report(records),
         "effects": effects,
         "equivalence": _equivalence(audit, float(margin), equivalence_contrasts),
         "cate": cate,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def _preset_help() -> str:
 
 
 def check_config(preset_name: str, model: str | None, tasks: str | None, arms: str | None, seeds: str | None,
-                 limit: int | None, batch_size: int | None) -> AuditConfig:
+                 limit: int | None, batch_size: int | None, temperature: float | None = None) -> AuditConfig:
     """The run's ``AuditConfig``, every argument checked (before any model loads or folder is made)."""
     from kvrelay.audit.config import split_task_spec
     from kvrelay.audit.tasks import available
@@ -74,6 +75,8 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
     v.choice(preset_name, "--preset", tuple(PRESETS))
     v.positive(limit, "--limit")
     v.positive(batch_size, "--batch-size")
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise v.InvalidInput(f"--temperature {temperature}", "a finite number >= 0 (0 decodes greedily; 0.7 samples)")
     sets = available()
     task_specs = None
     if tasks is not None:
@@ -94,7 +97,7 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                                    known=PLAIN_ARMS)
     seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else None
     cfg = preset(preset_name, model=model, tasks=task_specs, arms=arm_names, seeds=seed_list, limit=limit,
-                 batch_size=batch_size)
+                 batch_size=batch_size, temperature=temperature)
     parsed = [parse_arm(a) for a in cfg.arms]
     if any(a.needs_mismatch or a.mismatched_control for a in parsed):
         for name, count in cfg.task_sets():
@@ -133,7 +136,10 @@ def audit(
     tasks: str = typer.Option(None, help="task sets, comma-separated (gen_easy, squad, arc_challenge, ...: "
                               "docs/audit.md); NAME:COUNT caps one set (squad:160)"),
     arms: str = typer.Option(None, help=f"arms, comma-separated: {arm_help()} (docs/audit.md)"),
-    seeds: str = typer.Option(None, help="seeds, comma-separated"),
+    seeds: str = typer.Option(None, help="seeds, comma-separated: each varies the multiple-choice option order, "
+                              "the mismatch partner and (with --temperature) the sampling draw"),
+    temperature: float = typer.Option(None, help="receiver sampling temperature, seeded per seed, task and arm "
+                                      "(default 0: greedy)"),
     limit: int = typer.Option(None, help="cap on tasks per task set"),
     batch_size: int = typer.Option(None, help="tasks per padded batch"),
     out: Path = typer.Option(Path("out/audit"), help="output folder (re-running resumes)"),
@@ -152,9 +158,12 @@ def audit(
     if ctx.invoked_subcommand is not None:
         return
     if workflow is not None or edge is not None or inputs is not None or score is not None:
+        if temperature is not None:
+            raise v.InvalidInput("--temperature with --workflow", "--temperature with task sets (--preset/--tasks); "
+                                 "a workflow edge decodes greedily")
         _audit_edge(workflow, edge, inputs, score, regime, model, arms, seeds, tasks, out, threads, engine)
         return
-    cfg = check_config(preset_name, model, tasks, arms, seeds, limit, batch_size)
+    cfg = check_config(preset_name, model, tasks, arms, seeds, limit, batch_size, temperature)
     v.output_folder(out)
     v.positive(threads, "--threads")
     v.engine(engine)

@@ -1,5 +1,7 @@
 """Greedy generation as a ladder of small steps: prefill -> decode_one_token -> decode_n_tokens.
 
+``choose`` (optional) replaces the argmax with another token chooser, e.g. ``models.sampling.Sampler``.
+
 Positions are explicit (``position_ids``, one global counter across agents) and the attention
 mask is explicit (B, cached + new) whenever a batch is padded. We drive the model through its
 public ``forward(cache=..., position_ids=..., attention_mask=...)``; nothing is patched.
@@ -49,10 +51,12 @@ def forward_all(model, input_ids, position_ids, cache, attention_mask) -> torch.
 def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next_positions: torch.Tensor,
                     mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
                     min_new_tokens: int = 0, on_token: Callable[[torch.Tensor], None] | None = None,
+                    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``.
 
     Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
+    ``choose`` maps (B, V) logits to (B,) tokens in place of the argmax (seeded sampling).
     ``on_token`` sees each step's tokens (B,) as soon as they are chosen (streaming servers).
     Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists).
     """
@@ -72,7 +76,7 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
     for step in range(max_new_tokens):
         if step < min_new_tokens and len(stops):
             logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
-        tok = torch.where(done, pad, logits.argmax(dim=-1))  # (B,)
+        tok = torch.where(done, pad, logits.argmax(dim=-1) if choose is None else choose(logits))  # (B,)
         out[:, step] = tok
         if on_token is not None:
             on_token(tok)
@@ -93,19 +97,23 @@ def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: 
              attention_mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
              min_new_tokens: int = 0, keep_prefill: bool = False,
              on_token: Callable[[torch.Tensor], None] | None = None, drafter=None,
-             history: list[int] | None = None) -> Decoded:
+             history: list[int] | None = None, choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             ) -> Decoded:
     """Prefill ``input_ids`` (B, q) at ``position_ids`` (B, q) after ``cache``; then greedy decode.
 
     ``keep_prefill``: also return the cache's tensors as they were after the prefill (no copy: a
     cache layer's update concatenates into new tensors and never writes into the old ones).
     ``drafter`` (one unpadded row): decode speculatively (``models.speculative``) with drafts checked
     against ``history``, every token the cache holds after the prefill; the tokens are the same.
+    ``choose``: a token chooser in place of the argmax (``decode_n_tokens``); not with ``drafter``.
     """
     t0 = time.perf_counter()
     logits = forward_last(model, input_ids, position_ids, cache, attention_mask)
     kept = tuple((layer.keys, layer.values) for layer in cache.layers) if keep_prefill else None
     t1 = time.perf_counter()
     stats = None
+    if drafter is not None and choose is not None:
+        raise ValueError("speculative decoding checks drafts against the argmax; it does not sample")
     if drafter is not None:
         from kvrelay.models.speculative import speculative_decode
 
@@ -117,7 +125,7 @@ def generate(model, cache: DynamicCache, input_ids: torch.Tensor, position_ids: 
         lengths, mask, stats = torch.tensor([spec.length]), None, spec.stats
     else:
         tokens, lengths, mask = decode_n_tokens(model, cache, logits, position_ids[:, -1] + 1, attention_mask,
-                                                max_new_tokens, stop_ids, pad_id, min_new_tokens, on_token)
+                                                max_new_tokens, stop_ids, pad_id, min_new_tokens, on_token, choose)
     t2 = time.perf_counter()
     return Decoded(tokens, lengths, t1 - t0, t2 - t1, mask, position_ids[:, -1] + 1 + tokens.shape[1] - 1, kept,
                    stats)
