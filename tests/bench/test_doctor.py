@@ -207,10 +207,17 @@ def test_cli_doctor_link_writes_the_documented_json(tmp_path):
     from kvrelay.cli.app import app
 
     out = tmp_path / "doctor.json"
-    res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--json", str(out)])
+    before = torch.get_num_threads()
+    threads = 1 if before != 1 else 2  # not torch's current count, so an ignored --threads shows
+    try:
+        res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--threads", str(threads),
+                                       "--json", str(out)])
+    finally:
+        torch.set_num_threads(before)
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert d["passed"] is True and d["cause"] is None and d["command"].startswith("kvrelay doctor link")
+    assert d["threads"] == threads
     assert [c["name"] for c in d["checks"]] == LINK_CHECKS
     assert all(set(c) == {"name", "passed", "value", "hint"} for c in d["checks"])
 
@@ -222,3 +229,5 @@ def test_cli_doctor_exits_1_on_a_failed_check_and_2_on_a_mistake(tmp_path):
     assert res.exit_code == 1 and "impossible" in res.output
     res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--codec", "zstd"])
     assert res.exit_code == 2
+    res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--threads", "0"])
+    assert res.exit_code == 2 and "--threads" in res.output

@@ -287,7 +287,8 @@ def diagnose_link(link: Link, text: str = PROBE) -> Report:
     arrived = link.send(sent)
     facts = {"sender": link.sender.name, "receiver": link.receiver.name, "codec": link.codec,
              "engine": link.receiver.identity.engine, "sender_engine": link.sender.identity.engine,
-             "adapter": getattr(link.adapter, "name", None), "tokens": sent.num_tokens}
+             "adapter": getattr(link.adapter, "name", None), "tokens": sent.num_tokens,
+             "threads": torch.get_num_threads()}
     compatible, usable = _compatible(link, receiver, arrived)
     checks = [compatible]
     ids = sent.token_ids[0].tolist()

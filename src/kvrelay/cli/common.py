@@ -137,12 +137,21 @@ def load_for_cli(model: str, threads: int | None = None, engine: str = DEFAULT_E
 
     v.positive(threads, "--threads")
     v.engine(engine)
-    import torch
-
     from kvrelay.models.loader import load_model
 
     if state.quiet:
         quiet_libraries()
+    use_threads(threads)
+    return load_model(model, engine=engine)
+
+
+def use_threads(threads: int | None) -> int:
+    """``torch.set_num_threads(threads)`` (``None`` keeps torch's default); the threads now in use.
+
+    The ``--threads`` option's one meaning; ``load_for_cli`` calls it, and so does a command that loads
+    its models another way (``doctor link``)."""
+    import torch
+
     if threads is not None:
         torch.set_num_threads(threads)
-    return load_model(model, engine=engine)
+    return torch.get_num_threads()

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvrelay.cli import validate as v
-from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, load_for_cli, note, write_json
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, load_for_cli, note, use_threads, write_json
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
 console = Console()
@@ -102,11 +102,13 @@ def link_cmd(
     sender_engine: str = typer.Option(None, help="the sender's engine mode, when it differs from --engine"),
     codec: str = typer.Option("raw", help="the codec the link applies on the wire (kv.codecs: raw, fp16, int8, ...)"),
     context: Path = typer.Option(None, help="a text file to use as the probe (default: a built-in sentence)"),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     json_path: Path = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Check a live link: echo, position, mask, layer map, precision and engine-mode drift, each measured."""
     from kvrelay.cli.payload import _codec
 
+    v.positive(threads, "--threads")
     v.model(model)
     if sender_model is not None:
         v.model(sender_model, "--sender-model")
@@ -126,6 +128,7 @@ def link_cmd(
     from kvrelay.bench.doctor_link import PROBE, diagnose_link, open_link
 
     note(f"loading {model}" + (f" and {sender_model}" if sender_model else ""))
+    use_threads(threads)
     link = open_link(model, sender_model, adapter, engine, c, sender_engine)
     report = diagnose_link(link, text or PROBE)
     _finish(report, f"link {link.sender.name} -> {link.receiver.name} (codec {c}, engine {engine})", json_path)
