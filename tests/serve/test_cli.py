@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,12 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import missing_service
+
 openai = pytest.importorskip("openai")
 
 KVRELAY = str(Path(sys.executable).with_name("kvrelay"))
 
 
 def test_serve_answers_then_shuts_down_gracefully_on_sigterm():
+    if shutil.which("redis-server") is None:  # serve keeps its handles in a private redis-server
+        missing_service("redis-server", "not on PATH (apt-get install redis-server)")
     env = os.environ | {"KVRELAY_TEST_THREADS": "1"}
     proc = subprocess.Popen([KVRELAY, "--quiet", "serve", "--models", "tiny:qwen2", "--port", "0", "--threads", "1",
                              "--max-tokens", "8"], stderr=subprocess.PIPE, text=True, env=env)
