@@ -135,3 +135,28 @@ def test_verify_bytes_refuses_what_decode_refuses(lm, genuine):
     other = tiny_lm("llama", seed=9) if lm.identity.arch != "llama" else tiny_lm("qwen2", seed=9)
     assert verify_bytes(other, wire.encode(genuine)).verdict == "refused"
     assert json.loads(json.dumps(v.to_json()))["verdict"] == "refused"
+
+
+def test_the_corpus_run_resumes_from_its_records_and_covers_every_engine_mode(tmp_path, monkeypatch):
+    from kvrelay.bench import trust
+    from kvrelay.models.engine import ENGINES
+
+    lm = tiny_lm("qwen2", seed=0)
+    monkeypatch.setattr(trust, "FAULTS", ("nan", "stale_round", "noise_10pct_upper_layers"))
+    monkeypatch.setattr(trust, "K_SWEEP", (4,))
+    records, partial = tmp_path / "records.jsonl", []
+    res = trust.run_corpus("tiny:qwen2", k=4, genuine=6, context_tokens=64, trials=2, records=records, lm=lm,
+                           progress=partial.append)
+    assert res["complete"] and [r["fault"] for r in res["rows"]] == ["nan", "stale_round", "noise_10pct_upper_layers"]
+    assert all(r["detected"] for r in res["rows"])
+    fp = res["false_positives"]
+    assert fp["payloads"] == 6 and fp["checks"] == 30 and fp["flagged"] == 0
+    assert fp["payloads_per_engine"] == {m: 2 if i == 0 else 1 for i, m in enumerate(ENGINES)}
+    assert len(partial) == 3 + 6 and not partial[0]["complete"] and partial[-1]["complete"]
+    lines = records.read_text().splitlines()
+    engines = {json.loads(line)["engine"] for line in lines if '"genuine:' in line}
+    assert engines == set(ENGINES)
+    # a rerun reads every row back from the records and appends nothing
+    again = trust.run_corpus("tiny:qwen2", k=4, genuine=6, context_tokens=64, trials=2, records=records, lm=lm)
+    assert again["rows"] == res["rows"] and again["false_positives"] == fp
+    assert records.read_text().splitlines() == lines

@@ -16,9 +16,14 @@ in order, and the first that refuses it is recorded:
 Faults that pass the signature were made by someone holding the key (a buggy or compromised
 producer): only recomputation can catch those. Random faults (noise, which positions are checked)
 are drawn ``trials`` times; ``detection_probability`` is the share of draws caught. The
-false-positive rate is measured on ``genuine`` payloads of real text (64-128 tokens), each checked
-under every codec a receiver accepts. ``cost_fraction`` is ``agents.verify``'s: multiply-adds run over
-those of a full re-prefill (0 for a defence that reads the header only).
+false-positive rate is measured on ``genuine`` payloads of the benchmarks' inputs (the contexts of the
+``squad``, ``gen``, ``drop`` and ``gsm8k`` task sets at their natural lengths, capped at
+``GENUINE_MAX_TOKENS``), made in each engine mode in turn (payload ``i`` in ``ENGINES[i % 5]``, by a producer and
+checked by a receiver in that mode) and each checked under every codec a receiver accepts.
+``cost_fraction`` is ``agents.verify``'s: multiply-adds run over those of a full re-prefill (0 for a
+defence that reads the header only). Every finished row is appended to ``records`` (JSONL) and a rerun
+with the same file resumes; ``assemble`` builds the JSON from whatever the records hold (marked
+``complete: false`` until every row is there).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,12 +57,15 @@ from kvrelay.core.errors import (
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.sign import Key, Keyring, sign_parts
+from kvrelay.models.engine import ENGINES
 from kvrelay.transport.payloads import decode_bytes
 
 CODECS = ("raw", "fp16", "bf16", "int8", "int4")  # what a receiver accepts (eviction and layer subsets refuse)
 KEY = Key("hmac", "corpus", bytes(range(100, 132)))
 ROUND = 5
 K_SWEEP = (4, 8, 16, 32)
+GENUINE_SETS = ("squad", "gen", "drop", "gsm8k")  # the benchmarks' task sets whose contexts are relayed
+GENUINE_MAX_TOKENS = 512
 FAULTS = ("edited_bytes", "forged_resigned", "unsigned", "other_model", "truncated_layers", "nan", "inf",
           "stale_round", "skipped_round", "expired", "noise_all", "noise_10pct", "noise_1pct", "noise_one_layer",
           "other_text", "other_task", "shifted_positions", "other_weights", "reordered_tokens",
@@ -227,9 +236,12 @@ def _append(path: Path | None, row: dict) -> None:
 
 
 def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: int = 2048, trials: int = 20,
-               records: Path | None = None, threads: int | None = None, engine: str = "fp32", lm=None) -> dict:
+               records: Path | None = None, threads: int | None = None, engine: str = "fp32", lm=None,
+               progress: Callable[[dict], None] | None = None) -> dict:
     """Every fault of ``FAULTS`` at ``k`` (and the upper-layer noise over ``K_SWEEP``), and the false-positive
-    rate over ``genuine`` payloads × ``CODECS``; the JSON the ``kvrelay verify --corpus`` command writes."""
+    rate over ``genuine`` payloads × ``CODECS`` (engine modes in turn); the JSON ``kvrelay verify --corpus``
+    writes. ``progress`` gets the partial JSON after every finished row (a long run's results land as they
+    come)."""
     if lm is None:
         from kvrelay.models.loader import load_model
 
@@ -238,76 +250,124 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
         lm = load_model(model, engine=engine)
     load_before = list(os.getloadavg())
     done = _load_records(records)
-    tok = lm.tokenizer
-    p = _read(lm, _text(tok, context_tokens, "prose", 0), context_tokens)
+    p = _read(lm, _text(lm.tokenizer, context_tokens, "prose", 0), context_tokens)
     rx = Receiver(lm, p.meta.created_at)
-    T, L = p.num_tokens, len(p.keys)
-    rows = []
-    plan = [(f, k) for f in FAULTS if not f.endswith("upper_layers")]
-    plan += [(f, kk) for f in FAULTS if f.endswith("upper_layers") for kk in K_SWEEP]
-    random_faults = {"edited_bytes", "nan", "inf", "other_text", "other_task", "reordered_tokens", "other_weights"}
-    for fault, kk in plan:
-        rid = f"{fault}@k={kk}"
-        if rid in done:
-            rows.append(done[rid])
-            continue
-        n = trials if (fault.startswith("noise_") or fault in random_faults) else 1
-        n = 1 if fault in ("other_text", "other_task", "other_weights") else n  # a prefill of the whole context each
-        caught, by, costs, reasons = 0, {}, [], []
-        for t in range(n):
-            g = torch.Generator().manual_seed(1000 * t + FAULTS.index(fault))
-            data = _other_weights(lm, p, t) if fault == "other_weights" else faulted(fault, lm, p, g)
-            d, reason, cost = rx.defend(data, VerifySpec(k=kk, seed=t))
-            caught += bool(d)
-            by[d or "missed"] = by.get(d or "missed", 0) + 1
-            costs.append(cost)
-            reasons.append(reason)
-        frac = {"noise_10pct": 0.1, "noise_1pct": 0.01, "noise_10pct_upper_layers": 0.1,
-                "noise_1pct_upper_layers": 0.01}.get(fault)
-        row = {"id": rid, "fault": fault, "detected": caught == n, "detected_by": max(by, key=by.get),
-               "detected_by_counts": by, "k": kk, "trials": n, "detection_probability": caught / n,
-               "cost_fraction": round(sum(costs) / n, 6), "reason": reasons[0][:300],
-               "hit_probability": round(_hit_probability(T, max(1, round(frac * T)), kk), 6) if frac else None}
-        rows.append(row)
+
+    def result() -> dict:
+        return assemble(done, model=model, k=k, genuine=genuine, context_tokens=p.num_tokens, layers=len(p.keys),
+                        trials=trials, load_before=load_before, engine=lm.engine)
+
+    def finished(row: dict) -> None:
+        done[row["id"]] = row
         _append(records, row)
-    fp = _false_positives(lm, genuine, k, done, records)
-    spot_cost = round(k * L / (T * L), 6)
-    return {"model": model, "engine": lm.engine, "context_tokens": T, "layers": L, "k": k, "trials": trials,
-            "rows": rows, "false_positives": fp,
-            "spot_check_cost_fraction": spot_cost, "machine": platform.node(),
-            "load_average": {"before": load_before, "after": list(os.getloadavg())}, "created_at": time.time()}
+        if progress is not None:
+            progress(result())
+
+    for fault, kk in _plan(k):
+        if f"{fault}@k={kk}" not in done:
+            finished(_fault_row(fault, kk, lm, p, rx, trials))
+    _false_positives(lm, genuine, k, done, finished)
+    return result()
 
 
-def _false_positives(lm, n: int, k: int, done: dict, records: Path | None, *, reverse: bool = False) -> dict:
-    """Genuine payloads of real text (prose and code, 64..128 tokens) checked under every codec in ``CODECS``
-    (one resumable record per payload)."""
-    tok = lm.tokenizer
-    for i in (range(n - 1, -1, -1) if reverse else range(n)):
-        rid = f"genuine:{i}"
-        done.update(_load_records(records))  # another process may share the work (it runs the other way)
-        if rid not in done:
-            tokens = 64 + (i * 37) % 65
-            p = _read(lm, _text(tok, tokens, "prose" if i % 2 else "code", 100 + 17 * i), tokens)
-            row = {"id": rid, "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {},
-                   "tolerance": {}}
+def _plan(k: int) -> list[tuple[str, int]]:
+    plan = [(f, k) for f in FAULTS if not f.endswith("upper_layers")]
+    return plan + [(f, kk) for f in FAULTS if f.endswith("upper_layers") for kk in K_SWEEP]
+
+
+RANDOM_FAULTS = {"edited_bytes", "nan", "inf", "other_text", "other_task", "reordered_tokens", "other_weights"}
+NOISE_FRACTION = {"noise_10pct": 0.1, "noise_1pct": 0.01, "noise_10pct_upper_layers": 0.1,
+                  "noise_1pct_upper_layers": 0.01}
+
+
+def _fault_row(fault: str, k: int, lm, p: KVPayload, rx: Receiver, trials: int) -> dict:
+    """``fault`` drawn ``trials`` times (once for a deterministic one, or one that prefills the whole context)."""
+    n = trials if (fault.startswith("noise_") or fault in RANDOM_FAULTS) else 1
+    n = 1 if fault in ("other_text", "other_task", "other_weights") else n
+    caught, by, costs, reasons = 0, {}, [], []
+    for t in range(n):
+        g = torch.Generator().manual_seed(1000 * t + FAULTS.index(fault))
+        data = _other_weights(lm, p, t) if fault == "other_weights" else faulted(fault, lm, p, g)
+        d, reason, cost = rx.defend(data, VerifySpec(k=k, seed=t))
+        caught += bool(d)
+        by[d or "missed"] = by.get(d or "missed", 0) + 1
+        costs.append(cost)
+        reasons.append(reason)
+    frac = NOISE_FRACTION.get(fault)
+    T = p.num_tokens
+    return {"id": f"{fault}@k={k}", "fault": fault, "detected": caught == n, "detected_by": max(by, key=by.get),
+            "detected_by_counts": by, "k": k, "trials": n, "detection_probability": caught / n,
+            "cost_fraction": round(sum(costs) / n, 6), "reason": reasons[0][:300],
+            "hit_probability": round(_hit_probability(T, max(1, round(frac * T)), k), 6) if frac else None}
+
+
+def genuine_inputs(n: int) -> list[str]:
+    """``n`` contexts of the benchmarks' task sets, round robin over ``GENUINE_SETS`` (each set in its
+    seed-0 order), so payload ``i`` is always the same text."""
+    from kvrelay.audit.tasks import load_tasks
+
+    per = -(-n // len(GENUINE_SETS))
+    pools = [load_tasks(name, limit=per, seed=0) for name in GENUINE_SETS]
+    return [pools[i % len(pools)][i // len(pools)].context for i in range(n)]
+
+
+def _false_positives(lm, n: int, k: int, done: dict, finished: Callable[[dict], None]) -> None:
+    """Genuine payloads ``genuine:i`` (``genuine_inputs``; engine mode ``ENGINES[i % 5]``) checked under every
+    codec in ``CODECS`` (one resumable record per payload), mode by mode so one mode's weights are held at a
+    time."""
+    from kvrelay.models.engine import with_engine
+
+    todo = [i for i in range(n) if f"genuine:{i}" not in done]
+    if not todo:
+        return
+    texts = genuine_inputs(n)
+    for e, mode in enumerate(ENGINES):
+        mine = [i for i in todo if i % len(ENGINES) == e]
+        if not mine:
+            continue
+        lm_e = lm if mode == lm.engine else with_engine(lm, mode)
+        for i in mine:
+            a = Agent(lm_e, "producer", role=READER_ROLE)
+            a.round = ROUND
+            p = a.prefill(a.reading_ids(texts[i])[:GENUINE_MAX_TOKENS])
+            row = {"id": f"genuine:{i}", "engine": mode, "set": GENUINE_SETS[i % len(GENUINE_SETS)],
+                   "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {}, "tolerance": {}}
             for c in CODECS:
                 q = p if c == "raw" else codecs.decompress(codecs.compress(p, c))
-                v = verify_payload(lm.model, q, VerifySpec(k=k, seed=i), codec=c)
+                v = verify_payload(lm_e.model, q, VerifySpec(k=k, seed=i), codec=c)
                 row["error_over_tolerance"][c] = round(v.max_error / v.tolerance, 6)
                 row["tolerance"][c] = v.tolerance
                 if v.verdict != "ok":
                     row["flagged"].append(c)
-            _append(records, row)
-            done[rid] = row
-    per = [done[f"genuine:{i}"] for i in range(n)]
+            finished(row)
+        del lm_e
+
+
+def _fp_summary(per: list[dict]) -> dict:
     checks = len(per) * len(CODECS)
     flagged = sum(len(r["flagged"]) for r in per)
-    return {"payloads": len(per), "codecs": list(CODECS), "checks": checks, "flagged": flagged,
-            "false_positive_rate": flagged / max(1, checks),
+    return {"payloads": len(per), "codecs": list(CODECS), "engines": list(ENGINES), "sets": list(GENUINE_SETS),
+            "checks": checks, "flagged": flagged, "false_positive_rate": flagged / max(1, checks),
             "flagged_per_codec": {c: sum(c in r["flagged"] for r in per) for c in CODECS},
+            "payloads_per_engine": {m: sum(r.get("engine") == m for r in per) for m in ENGINES},
+            "flagged_per_engine": {m: sum(len(r["flagged"]) for r in per if r.get("engine") == m) for m in ENGINES},
             "worst_error_over_tolerance": {c: max((r["error_over_tolerance"][c] for r in per), default=0.0)
                                            for c in CODECS},
             "tokens": [min((r["tokens"] for r in per), default=0), max((r["tokens"] for r in per), default=0)]}
+
+
+def assemble(done: dict[str, dict], *, model: str, k: int, genuine: int, context_tokens: int, layers: int,
+             trials: int, load_before: list[float] | None, engine: str = "fp32") -> dict:
+    """The corpus JSON from finished rows ``done`` (records ids -> rows); ``complete`` says whether every
+    planned row and genuine payload is there (a partial run is assembled the same way)."""
+    rows = [done[f"{f}@k={kk}"] for f, kk in _plan(k) if f"{f}@k={kk}" in done]
+    per = [done[f"genuine:{i}"] for i in range(genuine) if f"genuine:{i}" in done]
+    return {"model": model, "engine": engine, "context_tokens": context_tokens, "layers": layers, "k": k,
+            "trials": trials, "rows": rows, "false_positives": _fp_summary(per),
+            "spot_check_cost_fraction": round(k / context_tokens, 6),
+            "complete": len(rows) == len(_plan(k)) and len(per) == genuine,
+            "machine": platform.node(), "load_average": {"before": load_before, "after": list(os.getloadavg())},
+            "created_at": time.time()}
 
 
 def print_corpus(res: dict) -> None:
@@ -323,4 +383,4 @@ def print_corpus(res: dict) -> None:
     Console().print(t)
     fp = res["false_positives"]
     print(f"false positives: {fp['flagged']} of {fp['checks']} checks ({fp['payloads']} genuine payloads x "
-          f"{len(fp['codecs'])} codecs)")
+          f"{len(fp['codecs'])} codecs; per engine mode {fp['payloads_per_engine']})")

@@ -59,7 +59,8 @@ def verify_cmd(
         from kvrelay.bench.trust import print_corpus, run_corpus
 
         res = run_corpus(model, k=k, genuine=genuine, context_tokens=context_tokens, trials=trials,
-                         records=records, threads=threads, engine=engine)
+                         records=records, threads=threads, engine=engine,
+                         progress=(lambda partial: write_json(json_path, partial)) if json_path else None)
         print_corpus(res)
         write_json(json_path, res)
         return
