@@ -3,6 +3,10 @@
 It listens on a free loopback port (redis has no ``--port 0``, so a port is picked by binding a
 socket, then handed over; a lost race is retried), keeps nothing on disk (``--save ''
 --appendonly no``, a temporary ``--dir``), and is stopped when the ``with`` block ends.
+
+``persist=True`` keeps an append-only file in that folder, written through on every command
+(``--appendonly yes --appendfsync always``): ``kill()`` (SIGKILL, a crash) then ``start()`` brings the
+server back on the same port with what it held. Without it a restarted server is empty.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """``with RedisServer() as srv: RedisStore(srv.url)`` — a throwaway server on 127.0.0.1."""
 
-    def __init__(self, *, executable: str | None = None, host: str = "127.0.0.1", startup_timeout_s: float = 10.0):
+    def __init__(self, *, executable: str | None = None, host: str = "127.0.0.1", startup_timeout_s: float = 10.0,
+                 persist: bool = False):
         self.executable = executable or shutil.which("redis-server")
         if self.executable is None:
             raise RedisServerError(f"redis-server was not found on PATH; {INSTALL_HINT}")
         self.host = host
         self.startup_timeout_s = startup_timeout_s
+        self.persist = persist
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._dir: Path | None = None
@@ -51,16 +57,20 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start the server; after ``kill()``, on the same port and folder (with its data when ``persist``)."""
         if self._proc is not None:
             return self
-        self._dir = Path(tempfile.mkdtemp(prefix="kvrelay-redis-"))
+        restart = self.port is not None
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="kvrelay-redis-"))
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
         last = ""
-        for _ in range(3):  # another process may grab the port between our bind and redis' bind
-            port = free_port(self.host)
+        for _ in range(1 if restart else 3):  # another process may grab the port between our bind and redis'
+            port = self.port if restart else free_port(self.host)
             log = self._dir / f"redis-{port}.log"
-            with open(log, "wb") as out:
+            with open(log, "ab") as out:
                 proc = subprocess.Popen(
-                    [self.executable, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                    [self.executable, "--port", str(port), "--bind", self.host, "--save", "", *aof,
                      "--dir", str(self._dir), "--daemonize", "no", "--protected-mode", "yes"],
                     stdout=out, stderr=subprocess.STDOUT)
             if self._wait_ready(proc, port):
@@ -68,8 +78,16 @@ class RedisServer:
                 return self
             _terminate(proc)
             last = log.read_text(errors="replace")[-2000:]
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.stop()
         raise RedisServerError(f"redis-server did not start on {self.host}; its log ends with:\n{last}")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing flushed beyond what ``persist`` wrote already); its port and
+        folder are kept for ``start()``."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
         import redis

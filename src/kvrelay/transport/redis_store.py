@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from kvrelay.core.errors import CorruptPayload, PayloadNotFound, StoreError, UnknownStore
@@ -19,6 +20,14 @@ from kvrelay.transport.payloads import PayloadMethods
 MAX_MANIFEST_BYTES = 8 + MAX_HEADER_BYTES + MAX_TOTAL_BYTES
 MAX_MANIFEST_CHUNKS = 65_536
 _GET_BATCH = 64  # chunks fetched per round trip: memory grows with what the manifest's size allows, no more
+# A lost connection (a server restarting, a dropped link, a server still loading its data) is retried with
+# exponential backoff from RETRY_FIRST_S up to RETRY_MAX_WAIT_S between tries, for at most ``retry_s`` seconds
+# and RETRY_ATTEMPTS tries; every other Redis error fails at once.
+RETRY_S = 5.0
+RETRY_ATTEMPTS = 20
+RETRY_FIRST_S = 0.05
+RETRY_MAX_WAIT_S = 1.0
+R = TypeVar("R")
 
 # Add one prefix-index entry; the index hash lives as long as its longest-lived entry (-1 = forever).
 _INDEX_LUA = """
@@ -56,19 +65,24 @@ class RedisStore(PayloadMethods):
     checked by whoever decodes the bytes (``CorruptPayload``).
     """
 
-    def __init__(self, url: str, *, namespace: str | None = None, chunk_bytes: int = 8 << 20, max_retries: int = 64):
-        """``url``: ``redis://HOST:PORT/DB``, optionally ``?namespace=NS`` (``namespace=`` wins; default kvrelay).
+    def __init__(self, url: str, *, namespace: str | None = None, chunk_bytes: int = 8 << 20, max_retries: int = 64,
+                 retry_s: float | None = None):
+        """``url``: ``redis://HOST:PORT/DB``, optionally ``?namespace=NS`` (``namespace=`` wins; default kvrelay)
+        and ``?retry_s=S`` (``retry_s=`` wins; default ``RETRY_S``): how long a call retries a lost connection,
+        with backoff, before it raises ``StoreError`` (0: never).
         ``max_retries``: how often a get re-reads a key that writers keep replacing before it gives up."""
         import redis
 
         if chunk_bytes <= 0 or chunk_bytes > 256 << 20:
             raise ValueError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
-        server, ns = _split_namespace(url)
+        server, ns, url_retry = _split_params(url)
         self.namespace = namespace or ns or "kvrelay"
         shown = _redacted(server)  # what messages and traces name: never the password
         self.url = shown if self.namespace == "kvrelay" else f"{shown}?namespace={self.namespace}"
         self.chunk_bytes = chunk_bytes
         self.max_retries = max_retries
+        self.retry_s = _retry_seconds(retry_s if retry_s is not None else url_retry if url_retry is not None else RETRY_S,
+                                      url)
         _check_url(server)
         try:
             self.client = redis.Redis.from_url(server, socket_read_size=1 << 20,  # big replies: fewer recv calls
@@ -78,21 +92,28 @@ class RedisStore(PayloadMethods):
                                "redis://HOST:PORT/DB with DB a number") from None
         self._add_index = self.client.register_script(_INDEX_LUA)
 
-    @contextmanager
-    def _typed(self):
-        """Redis' own errors (no server, a database out of range, out of memory, ...) as ``StoreError``."""
+    def _call(self, fn: Callable[[], R]) -> R:
+        """``fn()``, a lost connection retried with backoff (bounded by ``retry_s``); Redis' own errors (no
+        server, a database out of range, out of memory, ...) as ``StoreError``. Every call it wraps may be
+        repeated whole: a put writes a fresh version and flips the manifest in one transaction."""
         import redis
+        import tenacity
 
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+            stop=tenacity.stop_after_delay(self.retry_s) | tenacity.stop_after_attempt(RETRY_ATTEMPTS),
+            wait=tenacity.wait_exponential(multiplier=RETRY_FIRST_S, max=RETRY_MAX_WAIT_S), reraise=True)
         try:
-            yield
+            return retrying(fn)
         except redis.RedisError as e:
-            raise StoreError(f"redis store {self.url}: {type(e).__name__}: {e}; expected a Redis server "
+            tries = retrying.statistics.get("attempt_number", 1)
+            after = f" (after {tries} tries over {self.retry_s:g} s)" if tries > 1 else ""
+            raise StoreError(f"redis store {self.url}: {type(e).__name__}: {e}{after}; expected a Redis server "
                              "answering at that address with that database") from None
 
     def check(self, *, write: bool = False) -> None:
         """Raise ``StoreError`` now unless the server answers (PING, on the database of the URL)."""
-        with self._typed():
-            self.client.ping()
+        self._call(self.client.ping)
 
     def _m(self, key: str) -> str:
         return f"{self.namespace}:m:{key}"
@@ -109,8 +130,8 @@ class RedisStore(PayloadMethods):
     def put_bytes(self, key: str, data: Parts, ttl_s: float | None = None, *, index: IndexEntries = (),
                   full_hash: str = "") -> None:
         check_ttl(ttl_s)
-        with self._typed():
-            self._put(key, data, ttl_s, index, full_hash)
+        data = as_parts(data)
+        self._call(lambda: self._put(key, data, ttl_s, index, full_hash))
 
     def _put(self, key: str, data: Parts, ttl_s: float | None, index: IndexEntries, full_hash: str) -> None:
         pieces = list(chunks(as_parts(data), self.chunk_bytes))
@@ -147,8 +168,7 @@ class RedisStore(PayloadMethods):
         return m
 
     def get_bytes(self, key: str) -> memoryview:
-        with self._typed():
-            return self._get(key)
+        return self._call(lambda: self._get(key))
 
     def _get(self, key: str) -> memoryview:
         for _ in range(self.max_retries):
@@ -185,23 +205,23 @@ class RedisStore(PayloadMethods):
         return parts
 
     def contains(self, key: str) -> bool:
-        with self._typed():
-            return bool(self.client.exists(self._m(key)))
+        return self._call(lambda: bool(self.client.exists(self._m(key))))
 
     def delete(self, key: str) -> bool:
-        with self._typed():
-            raw = self.client.getdel(self._m(key))
-            if raw is None:
-                return False
-            try:
-                self.client.delete(*self._chunk_keys(key, self._parse_manifest(key, raw)))
-            except CorruptPayload:
-                pass
-            return True
+        return self._call(lambda: self._delete(key))
+
+    def _delete(self, key: str) -> bool:
+        raw = self.client.getdel(self._m(key))
+        if raw is None:
+            return False
+        try:
+            self.client.delete(*self._chunk_keys(key, self._parse_manifest(key, raw)))
+        except CorruptPayload:
+            pass
+        return True
 
     def longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
-        with self._typed():
-            return self._longest_prefix(fingerprint, token_ids)
+        return self._call(lambda: self._longest_prefix(fingerprint, token_ids))
 
     def _longest_prefix(self, fingerprint: str, token_ids: Tokens) -> tuple[str, int] | None:
         bounds = query_boundaries(fingerprint, token_ids)
@@ -229,11 +249,13 @@ class RedisStore(PayloadMethods):
 
     def clear(self) -> int:
         """Delete every key of this store's namespace; returns how many."""
-        n = 0
-        with self._typed():
+        def clear() -> int:
+            n = 0
             for batch in _batched(self.client.scan_iter(match=f"{self.namespace}:*", count=1000), 500):
                 n += self.client.delete(*batch)
-        return n
+            return n
+
+        return self._call(clear)
 
     def close(self) -> None:
         self.client.close()
@@ -281,13 +303,26 @@ def _full_hash(raw: bytes) -> str | None:
     return m.get("full") if isinstance(m, dict) else None
 
 
-def _split_namespace(url: str) -> tuple[str, str | None]:
-    """``redis://h:p/db?namespace=NS&x=y`` -> (``redis://h:p/db?x=y``, ``NS``)."""
+def _split_params(url: str) -> tuple[str, str | None, str | None]:
+    """``redis://h:p/db?namespace=NS&retry_s=S&x=y`` -> (``redis://h:p/db?x=y``, ``NS``, ``S``): kvrelay's own
+    parameters apart from redis-py's."""
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     ns = query.pop("namespace", [None])[-1]
+    retry = query.pop("retry_s", [None])[-1]
     rest = "&".join(f"{k}={v[-1]}" for k, v in query.items())
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), ns
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), ns, retry
+
+
+def _retry_seconds(value, url: str) -> float:
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        s = math.nan
+    if not (0 <= s <= 3600):
+        raise UnknownStore(f"{_redacted(url)!r}: retry_s {value!r} is not a number of seconds in [0, 3600]; "
+                           "expected ?retry_s=S")
+    return s
 
 
 def _batched(it, n: int):

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvrelay.agents.agent import Agent
 from kvrelay.agents.verify import VerifySpec
+from kvrelay.core.errors import StoreError
 from kvrelay.kv import codecs
 from kvrelay.kv.sign import Keyring
 from kvrelay.transport.stores import open_store
@@ -74,6 +75,7 @@ class InProcessExecutor:
         if store is None and (self.codec != "raw" or self.keys):
             store = f"memory://kvrelay-inprocess-{secrets.token_hex(4)}"
         self.store = open_store(store) if store is not None else None
+        self.unreleased: list[str] = []  # keys a failed delete left in the store
         self.agents: dict[str, Agent] = {}
         self.run_id = ""
 
@@ -107,7 +109,10 @@ class InProcessExecutor:
 
     def release(self, handle: Any) -> None:
         if self.store is not None and isinstance(handle, str):
-            self.store.delete(handle)
+            try:
+                self.store.delete(handle)
+            except StoreError:  # an unreachable store does not stop the run: the key is kept for later
+                self.unreleased.append(handle)
 
     def close(self) -> None:
         self.agents = {}

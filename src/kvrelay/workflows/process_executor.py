@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrelay.core.errors import WorkerError
+from kvrelay.core.errors import StoreError, WorkerError
 from kvrelay.kv import codecs
 from kvrelay.transport.stores import open_store
 from kvrelay.workflows.executors import run_key
@@ -114,6 +114,7 @@ signed payloads. ``codec``: what senders encode payloads with (``kv.codecs``; de
         self.fingerprint = fps.pop()
         self.pids = {name: r["pid"] for name, r in ready.items()}
         self.wf, self.run_id = wf, ""
+        self.unreleased: list[str] = []
 
     def set_codec(self, codec: str) -> None:
         self.codec = codecs.parse(codec).name
@@ -139,8 +140,13 @@ signed payloads. ``codec``: what senders encode payloads with (``kv.codecs``; de
         return TurnOut.from_json(resp["turn"], payload=resp["payload"])
 
     def release(self, handle: Any) -> None:
+        """Delete a payload nobody needs; a store that cannot be reached does not stop the run (the key is
+        kept in ``unreleased``; a TTL or ``clear`` frees it later)."""
         if isinstance(handle, str):
-            self.store.delete(handle)
+            try:
+                self.store.delete(handle)
+            except StoreError:
+                self.unreleased.append(handle)
 
     def run(self, context: str, *, mode: str = "kv") -> RunTrace:
         return run_workflow(self, self.wf, context, mode=mode)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvrelay.core.errors import EdgeRefused, PayloadError, PayloadNotFound, WorkerError
+from kvrelay.core.errors import EdgeRefused, PayloadError, PayloadNotFound, StoreError, WorkerError
 from kvrelay.workflows.executors import Executor, InProcessExecutor
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut, take_turn, turn_ids  # noqa: F401 - turn_ids/take_turn: public here too
@@ -108,6 +108,7 @@ class Finished:
     ids: list[int]  # its whole turn as tokens (what its cache would hold)
     base: list[int]  # what it read before its own turn
     payload: Any  # the executor's handle on its whole-turn cache, when a successor takes it
+    lost: str = ""  # why its payload never reached the store (``TurnOut.put_error``)
 
 
 def quote_reports(done: Sequence[tuple[str, str]], prompt: str) -> str:
@@ -176,22 +177,26 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
               "want_payload": needs_payload(plan, spec.name)}
         ins = plan.incoming(spec.name)  # a partial edge: the receiver's prompt selects the positions it gets
         part = {"partial": ins[0].partial} if len(ins) == 1 and ins[0].partial is not None and cache is not None else {}
-        fallback = ""
-        try:
-            out = ex.turn(spec.name, prompt, list(base), cache, **kw, **part)
-        except Exception as e:
-            kind = refusal(e)
-            if cache is None or kind is None:
-                raise
-            edges = plan.incoming(spec.name)
-            if not all(edge.on_refused == "text" for edge in edges):
-                raise EdgeRefused(src, spec.name, refusal_message(e), kind) from e
-            fallback = f"{kind}: {refusal_message(e)}"
+        fallback, out, kind, why = "", None, None, ""
+        if src is not None and cache is None and done[src].lost:  # its sender's store put failed
+            kind, why = "StoreError", done[src].lost
+        else:
+            try:
+                out = ex.turn(spec.name, prompt, list(base), cache, **kw, **part)
+            except Exception as e:
+                kind = refusal(e)
+                if cache is None or kind is None:
+                    raise
+                why = refusal_message(e)
+        if out is None:  # the relayed payload was refused, lost or unreadable: never used
+            if not all(edge.on_refused == "text" for edge in plan.incoming(spec.name)):
+                raise EdgeRefused(src, spec.name, why, kind)
+            fallback = f"{kind}: {why}"
             channel, cache = f"{channel}->text", None
             out = ex.turn(spec.name, prompt, list(base), None, **kw)  # the same tokens, re-encoded
         wall = time.perf_counter() - t0
         put_s[spec.name] = out.put_s
-        done[spec.name] = Finished(out.text, list(out.ids), list(base), out.payload)
+        done[spec.name] = Finished(out.text, list(out.ids), list(base), out.payload, out.put_error)
         transfer = put_s.get(src, 0.0) + out.get_s if cache is not None else 0.0
         records.append(record(spec.name, channel, out, transfer, wall, fallback))
         release_unused(plan, done, spec.name, ex.release)
@@ -199,9 +204,10 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
 
 
 def refusal(e: BaseException) -> str | None:
-    """The error type's name when ``e`` is a receiver refusing a relayed payload (or its store losing it),
+    """The error type's name when ``e`` is a receiver refusing a relayed payload (or its store losing it or
+    failing to read it after its retries),
     in this process or reported by a worker (``WorkerError.refused``); None for any other failure."""
-    if isinstance(e, (PayloadError, PayloadNotFound)):
+    if isinstance(e, (PayloadError, PayloadNotFound, StoreError)):
         return type(e).__name__
     if isinstance(e, WorkerError) and getattr(e, "refused", False):
         return getattr(e, "kind", "") or type(e).__name__

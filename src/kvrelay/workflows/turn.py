@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvrelay.agents.agent import Agent
+from kvrelay.core.errors import StoreError
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.sign import Key, Keyring
 from kvrelay.transport.bytestore import ByteStore
@@ -42,6 +43,7 @@ class TurnOut:
     relay_decode_s: float
     get_s: float = 0.0  # the executor's fetch of the relayed payload
     put_s: float = 0.0  # the executor's hand-off of the produced payload
+    put_error: str = ""  # why the produced payload could not be stored (a StoreError's message; "" = it was)
     payload: Any = field(default=None, repr=False)
 
     def to_json(self) -> dict:
@@ -113,5 +115,8 @@ def store_turn(agent: Agent, store: ByteStore, prompt: str, base: Sequence[int],
     if out.payload is None:
         return out
     t0 = time.perf_counter()
-    put_key = put_payload(store, out.payload, codec, key=out_key, model=agent.model, signer=signer)
+    try:
+        put_key = put_payload(store, out.payload, codec, key=out_key, model=agent.model, signer=signer)
+    except StoreError as e:  # the turn stands; its payload is not stored (a failed put leaves none behind)
+        return replace(out.with_handle(None, put_s=time.perf_counter() - t0), put_error=str(e))
     return out.with_handle(put_key, put_s=time.perf_counter() - t0)

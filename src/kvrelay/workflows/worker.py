@@ -16,7 +16,7 @@ payload it writes with its key for its own name and refuses any payload not sign
 
 The first line it writes is ``{"ready": true, "fingerprint": ...}``; a failed request answers
 ``{"error": TYPE, "message": STR, "refused": BOOL}`` (``refused``: the receiver refused the relayed
-payload, or the store lost it) and the worker keeps serving. Anything else the libraries
+payload, or the store lost it or could not be read) and the worker keeps serving. Anything else the libraries
 print goes to stderr, so stdout carries the protocol only.
 """
 
@@ -27,10 +27,11 @@ import json
 import os
 import sys
 
-from kvrelay.core.errors import PayloadError, PayloadNotFound
+from kvrelay.core.errors import PayloadError, PayloadNotFound, StoreError
 
 STORE_ENV = "KVRELAY_STORE_URL"
-REFUSALS = (PayloadError, PayloadNotFound)  # the receiver refused a relayed payload, or the store lost it
+# the receiver refused a relayed payload, or the store lost it or could not be read (after its retries)
+REFUSALS = (PayloadError, PayloadNotFound, StoreError)
 
 
 def _serve(args, send) -> None:
