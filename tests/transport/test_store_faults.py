@@ -96,7 +96,7 @@ def test_a_key_the_caller_chose_is_not_a_claim_about_the_content(store):
 
 # -- no server, a bad database ------------------------------------------------------------------------------
 def test_no_redis_server_is_a_store_error_naming_the_url():
-    store = open_store("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    store = open_store("redis://127.0.0.1:1/0?retry_s=0")  # nothing listens on port 1; fail at once
     for call in (store.check, lambda: store.get_bytes("k"), lambda: put_payload(store, fake_payload(1)),
                  lambda: store.contains("k")):
         with pytest.raises(StoreError, match=r"redis store redis://127\.0\.0\.1:1/0: .*expected a Redis server"):

@@ -194,7 +194,7 @@ def test_a_full_disk_under_the_disk_store_stops_naming_the_edge_or_falls_back(on
         import os
         from dataclasses import replace
         from kvrelay.core.errors import EdgeRefused
-        from tests.workflows.test_store_faults import CONTEXT, MODEL, _chain
+        from tests.workflows.test_workflow_store_faults import CONTEXT, MODEL, _chain
         from kvrelay.workflows.process_executor import ProcessExecutor
         root = os.environ["MNT"] + "/store"
         with ProcessExecutor(MODEL, _chain({on_refused!r}), store=root, codec="raw") as ex:
