@@ -1,6 +1,7 @@
 """A workflow whose store fails under it: every agent in its own OS process (``ProcessExecutor``), payloads
 through a real ``redis-server`` (killed with SIGKILL between two turns, restarted with or without its data,
-or never) or a disk store on a full filesystem, or a store holding half a payload. The run either completes
+or never, or reached only over a rate-limited link: ``transport.netem``) or a disk store on a full
+filesystem, or a store holding half a payload. The run either completes
 with payloads its receivers verified (the store's retries with backoff carry it over a restart), rebuilds
 the edge from text and says why in its trace (``on_refused = "text"``), or stops with ``EdgeRefused`` naming
 the edge. A lost, partial or corrupt payload is never used."""
@@ -215,3 +216,111 @@ def test_a_full_disk_under_the_disk_store_stops_naming_the_edge_or_falls_back(on
     """, size="64k")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines() == ["refused" if on_refused == "stop" else "fell back", "ok"], r.stdout + r.stderr
+
+
+# -- a slow link between the workers and Redis ----------------------------------------------------------------
+SLOW_CONTEXT = CONTEXT * 20  # ~1,000 tokens: each raw payload of the tiny model is ~1 MB, 8x the link's burst
+
+
+def _over_a_link(link, on_refused: str, query: str) -> dict:
+    """The chain run by a ``ProcessExecutor`` in namespace a, its store a ``redis-server`` in namespace b that
+    a reaches only over the rate-limited veth; the driver's report as a dict."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    from kvrelay.transport import netem
+    from tests.transport.test_store_faults import ROOT
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        missing_service("redis-server", "redis-server is not on PATH")
+    folder = tempfile.mkdtemp(prefix="kvrelay-redis-")
+    server = subprocess.Popen(link.argv("b", exe, "--port", "6390", "--bind", netem.ADDR_B, "--save", "",
+                                        "--appendonly", "no", "--dir", folder, "--protected-mode", "no"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    script = textwrap.dedent(f"""
+        import json, time
+        import redis
+        from kvrelay.core.errors import EdgeRefused
+        from kvrelay.workflows.process_executor import ProcessExecutor
+        from tests.workflows.test_workflow_store_faults import MODEL, SLOW_CONTEXT, _chain
+        url = "redis://{netem.ADDR_B}:6390/0"
+        client = redis.Redis.from_url(url, socket_connect_timeout=1)
+        for _ in range(200):  # the server in the other namespace is starting
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        with ProcessExecutor(MODEL, _chain({on_refused!r}), store=url + {query!r}, codec="raw") as ex:
+            try:
+                trace = ex.run(SLOW_CONTEXT)
+            except EdgeRefused as e:
+                print(json.dumps({{"refused": [e.src, e.dst, e.kind, e.reason]}}))
+            else:
+                print(json.dumps({{"agents": [[a.channel, a.fallback, a.relayed_tokens] for a in trace.agents],
+                                  "outputs": [list(v) for v in trace.outputs().values()]}}))
+    """)
+    try:
+        r = subprocess.run(link.argv("a", sys.executable, "-"), input=script, capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def slow_reference():
+    return [list(v) for v in run_workflow(load_model(MODEL), _chain(), SLOW_CONTEXT, mode="text").outputs().values()]
+
+
+def _link():
+    from kvrelay.transport import netem
+
+    ok, why = netem.available()
+    if not ok:
+        import os
+
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root with iproute2, the link tests must run: {why}")
+        pytest.skip(why)
+    return netem.Link()
+
+
+def test_a_slow_link_to_redis_the_run_completes_verified(slow_reference):
+    """8 Mbit/s each way: every put and get waits on the token bucket, and the run still relays every edge."""
+    with _link() as link:
+        link.set_rate(8, both_ways=True)
+        res = _over_a_link(link, "stop", "")
+        puts, gets = link.shaped("a"), link.shaped("b")
+    assert [a[:2] for a in res["agents"]] == [["root", ""], ["kv", ""], ["kv", ""]]
+    assert all(a[2] > 0 for a in res["agents"][1:])
+    assert res["outputs"] == slow_reference
+    # both payloads went up and came back down through the limited link, held back by its bucket
+    assert puts["sent_bytes"] > 2_000_000 and gets["sent_bytes"] > 2_000_000
+    assert puts["overlimits"] > 0 and gets["overlimits"] > 0
+
+
+@pytest.mark.parametrize("on_refused", ["stop", "text"])
+def test_a_link_too_slow_for_the_store_timeout_stops_naming_the_edge_or_falls_back(slow_reference, on_refused):
+    """1 Mbit/s with a 0.5 s socket timeout: a ~1 MB put needs at least 7 s on this link, so every try times
+    out (a lower bound set by the rate, whatever the machine's load); the store gives up after its retries."""
+    with _link() as link:
+        link.set_rate(1)
+        res = _over_a_link(link, on_refused, "?socket_timeout=0.5&retry_s=1")
+    if on_refused == "stop":
+        src, dst, kind, reason = res["refused"]
+        assert (src, dst, kind) == ("reader", "fixer", "StoreError")
+        assert "TimeoutError" in reason and "tries over 1 s" in reason
+        return
+    channels = [a[0] for a in res["agents"]]
+    assert channels == ["root", "kv->text", "kv->text"]
+    assert all(a[1].startswith("StoreError: redis store") and "TimeoutError" in a[1] for a in res["agents"][1:])
+    assert res["outputs"] == slow_reference

@@ -176,11 +176,32 @@ class Link:
         self.down()
 
     # -- use ---------------------------------------------------------------------------------
-    def set_rate(self, rate_mbit: float) -> None:
-        """Limit the sender's egress to ``rate_mbit`` Mbit/s (replaces any earlier limit)."""
-        _run("ip", "netns", "exec", self.ns_a, "tc", "qdisc", "replace", "dev", self.dev_a, "root",
-             *tbf_args(rate_mbit))
+    def set_rate(self, rate_mbit: float, *, both_ways: bool = False) -> None:
+        """Limit the sender's egress to ``rate_mbit`` Mbit/s (replaces any earlier limit); ``both_ways``: the
+        receiver's egress too (what a server in b sends back, e.g. a store's replies to gets)."""
+        for ns, dev in ((self.ns_a, self.dev_a), (self.ns_b, self.dev_b))[: 2 if both_ways else 1]:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf_args(rate_mbit))
         self.rate_mbit = rate_mbit
+
+    def argv(self, side: str, *cmd: str) -> list[str]:
+        """``cmd`` run inside namespace ``side``: "a" (the sender's, ``ADDR_A``) or "b" (``ADDR_B``, where a
+        server listening on ``ADDR_B`` is reachable from a only over the limited link)."""
+        return ["ip", "netns", "exec", self._side(side)[0], *cmd]
+
+    def shaped(self, side: str = "a") -> dict[str, int]:
+        """The token bucket's counters on ``side``'s egress: ``sent_bytes``, ``overlimits`` (packets the
+        bucket held back for want of tokens: > 0 means the rate, not the machine, set the pace)."""
+        ns, dev = self._side(side)
+        out = _run("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev).stdout
+        m = re.search(r"Sent (\d+) bytes .*?overlimits (\d+)", out, re.S)
+        if "tbf" not in out or m is None:
+            raise LinkError(f"no token bucket on {dev} in {ns} (call set_rate first): {out.strip()}")
+        return {"sent_bytes": int(m.group(1)), "overlimits": int(m.group(2))}
+
+    def _side(self, side: str) -> tuple[str, str]:
+        if side not in ("a", "b"):
+            raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+        return (self.ns_a, self.dev_a) if side == "a" else (self.ns_b, self.dev_b)
 
     def send(self, data: bytes | bytearray | memoryview | list, *, timeout_s: float = 600.0) -> float:
         """Seconds to send ``data`` (a buffer or a list of buffers: the kvrelay/1 parts) from namespace a
