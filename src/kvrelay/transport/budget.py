@@ -9,6 +9,10 @@ needs and says, for a new put, which keys must go first (or refuses). The policy
 
 A payload larger than the whole budget is refused under every policy. The store deletes what the
 budget names, so released payloads free their memory (``MemoryStore`` holds one ``bytes`` per key).
+
+Every store takes one in its URL, ``?max_bytes=N[&evict=refuse|oldest|lru]`` (``from_query``). A
+memory store keeps its ``ByteBudget``; a disk or Redis store, shared by processes, rebuilds one for each
+put from what the store holds (``ByteBudget.holding``), so the rule stays here.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvrelay.core.errors import OverBudget
+from kvrelay.core.errors import OverBudget, UnknownStore
 
 POLICIES = ("refuse", "oldest", "lru")
 
@@ -32,6 +36,16 @@ class ByteBudget:
             raise ValueError(f"max_bytes must be an int >= 1, got {self.max_bytes!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"budget policy must be one of {POLICIES}, got {self.policy!r}")
+
+    @classmethod
+    def holding(cls, max_bytes: int, policy: str, held) -> ByteBudget:
+        """A budget already holding ``held`` ((key, nbytes) pairs, the first to go first under ``policy``),
+        even beyond ``max_bytes`` (another opener may have had a larger budget): the next ``admit`` drops
+        what it must."""
+        b = cls(max_bytes, policy)
+        for key, nbytes in held:
+            b._sizes[key] = nbytes
+        return b
 
     @property
     def used(self) -> int:
@@ -63,3 +77,20 @@ class ByteBudget:
 
     def release(self, key: str) -> None:
         self._sizes.pop(key, None)
+
+
+PARAMS = ("max_bytes", "evict")
+
+
+def from_query(url: str, query: dict[str, list[str]]) -> ByteBudget | None:
+    """The budget in a store URL's parsed query (``urllib.parse.parse_qs``), which loses ``max_bytes`` and
+    ``evict``; None without ``max_bytes``. ``UnknownStore`` naming the URL for a bad count or policy."""
+    if "evict" in query and "max_bytes" not in query:
+        raise UnknownStore(f"{url!r}: evict= needs max_bytes=N (a byte budget)")
+    if "max_bytes" not in query:
+        return None
+    raw, policy = query.pop("max_bytes")[-1], query.pop("evict", ["refuse"])[-1]
+    try:
+        return ByteBudget(int(raw) if raw.isdigit() else raw, policy)
+    except ValueError as e:
+        raise UnknownStore(f"{url!r}: {e}; expected ?max_bytes=N[&evict={'|'.join(POLICIES)}]") from None

@@ -17,11 +17,19 @@ put with ``StoreError`` and leaves what was there before; a put that fails after
 index entries) removes the payload it made visible. Every filesystem fault is a ``StoreError``
 naming the folder. ``fsync=False`` (default) trades durability across
 a machine crash for speed; a file torn by a crash is refused by its checksum, never used.
+
+With a ``budget`` (``transport.budget.ByteBudget``: its bytes and policy) the payload files under the
+folder hold at most that many bytes. A put takes ``root/budget.lock`` (``flock``, so every process
+opening the folder with a budget waits its turn), deletes expired payloads, counts what the folder
+holds, deletes what the policy names (oldest: by the time each file was put, its mtime; lru: by the
+time it was last read, its atime, both set by the store in nanoseconds) or raises ``OverBudget``, then
+writes. Payloads put by an opener without a budget are counted too.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import mmap
@@ -33,6 +41,7 @@ from pathlib import Path
 
 from kvrelay.core.errors import PayloadNotFound, StoreError
 from kvrelay.kv.wire import atomic_write, write_temp
+from kvrelay.transport.budget import ByteBudget
 from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, header_bytes
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, parse_key, query_boundaries
 from kvrelay.transport.payloads import PayloadMethods
@@ -45,9 +54,12 @@ def _version(parts) -> str:
 
 
 class DiskStore(PayloadMethods):
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = False, clock: Callable[[], float] = time.time):
-        """``clock``: seconds since the epoch for expiry times (the sidecars store absolute times)."""
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False, clock: Callable[[], float] = time.time,
+                 budget: ByteBudget | None = None):
+        """``clock``: seconds since the epoch for expiry times (the sidecars store absolute times).
+        ``budget``: its ``max_bytes`` and ``policy`` bound the folder (see the module docstring)."""
         self.clock = clock
+        self.budget = budget
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.fsync = fsync
@@ -94,6 +106,36 @@ class DiskStore(PayloadMethods):
         parts = as_parts(data)
         side = {"key": key, "expires_at": self.clock() + ttl_s if ttl_s is not None else None, "full": full_hash,
                 "version": _version(parts)}
+        if self.budget is None:
+            self._put(key, parts, side, index)
+            return
+        with self._typed(f"lock {self.root / 'budget.lock'}"), open(self.root / "budget.lock", "ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            for k in self._admit(key, sum(memoryview(p).nbytes for p in parts)):
+                self.delete(k)
+            self._put(key, parts, side, index)
+            now = time.time_ns()
+            with self._typed(f"stamp {key!r}"):
+                os.utime(self.path(key), ns=(now, now))  # put (oldest) and last used (lru): now
+
+    def _admit(self, key: str, nbytes: int) -> list[str]:
+        """The keys the budget drops to take ``nbytes`` under ``key`` (expired payloads deleted first);
+        ``OverBudget`` when it cannot. Called under the budget lock."""
+        self.sweep()
+        held = []
+        for f in (self.root / "payloads").glob("*/*.json"):
+            try:
+                k = json.loads(f.read_bytes())["key"]
+                st = f.with_suffix(".safetensors").stat()
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a payload being deleted, or a sidecar that is not ours
+            if isinstance(k, str):
+                held.append((st.st_atime_ns if self.budget.policy == "lru" else st.st_mtime_ns, k, st.st_size))
+        held.sort()
+        budget = ByteBudget.holding(self.budget.max_bytes, self.budget.policy, [(k, n) for _, k, n in held])
+        return budget.admit(key, nbytes, self.url)
+
+    def _put(self, key: str, parts, side: dict, index: IndexEntries) -> None:
         path, sidecar = self.path(key), self._sidecar(key)
         staged: list[Path] = []
         with self._typed(f"write {key!r}"):
@@ -141,6 +183,11 @@ class DiskStore(PayloadMethods):
                 break  # the sidecar describes these bytes (or there is none: no expiry)
         if self._expired(side):
             raise PayloadNotFound(key, self.url, "expired")
+        if self.budget is not None and self.budget.policy == "lru":
+            try:  # last used: now (after the mapping, so the kernel's own atime update comes before ours)
+                os.utime(self.path(key), ns=(time.time_ns(), os.stat(self.path(key)).st_mtime_ns))
+            except FileNotFoundError:
+                pass  # deleted since: the view still holds the bytes
         return view
 
     def contains(self, key: str) -> bool:

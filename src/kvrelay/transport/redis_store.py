@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import time
 from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from kvrelay.core.errors import CorruptPayload, PayloadNotFound, StoreError, UnknownStore
 from kvrelay.kv.wire import MAX_HEADER_BYTES, MAX_TOTAL_BYTES
+from kvrelay.transport.budget import ByteBudget, from_query
 from kvrelay.transport.bytestore import IndexEntries, Parts, as_parts, check_ttl, chunks
 from kvrelay.transport.keys import PrefixEntry, Tokens, match, query_boundaries
 from kvrelay.transport.payloads import PayloadMethods
@@ -28,6 +30,23 @@ RETRY_ATTEMPTS = 20
 RETRY_FIRST_S = 0.05
 RETRY_MAX_WAIT_S = 1.0
 R = TypeVar("R")
+BUDGET_LOCK_S = 60.0  # a budgeted put holds the namespace's budget lock at most this long (a crashed writer's expires)
+
+# A budgeted payload's turn in the eviction order: a counter shared by every process, so orders never tie.
+_STAMP_LUA = """
+local n = redis.call('INCR', KEYS[2])
+if ARGV[2] == 'put' then
+  redis.call('ZADD', KEYS[1], n, ARGV[1])
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+else
+  redis.call('ZADD', KEYS[1], 'XX', n, ARGV[1])
+end
+return n
+"""
+_UNLOCK_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 # Add one prefix-index entry; the index hash lives as long as its longest-lived entry (-1 = forever).
 _INDEX_LUA = """
@@ -57,16 +76,24 @@ class RedisStore(PayloadMethods):
         ns:m:<key>               manifest JSON {version, chunks, size, full}
         ns:c:<key>:<version>:<i> chunk i of that version
         ns:p:<boundary hash>     HASH key -> prefix-index entry JSON
+        ns:b:sizes, ns:b:order   with a byte budget: HASH key -> bytes, ZSET key -> put (or, lru, read) order
+        ns:b:seq, ns:b:lock      the order's counter; the lock a budgeted put holds (``BUDGET_LOCK_S`` at most)
 
     A put writes the chunks under a fresh version and flips the manifest in one MULTI/EXEC, so a
     reader sees the old payload or the new one, whole. The replaced version's chunks are deleted
     afterwards; a reader caught mid-way finds a chunk missing, sees the manifest moved on and
     reads again. TTL is set on the manifest and on every chunk. Integrity is the wire checksum,
     checked by whoever decodes the bytes (``CorruptPayload``).
+
+    With a byte budget (``budget=`` or ``?max_bytes=N&evict=refuse|oldest|lru``) a put takes the
+    namespace's budget lock, forgets ledger entries whose manifest is gone (expired or deleted), builds
+    the budget from the ledger (``ByteBudget.holding``), deletes what it drops or raises ``OverBudget``,
+    writes, and records the payload's bytes and turn. Every opener with a budget shares the ledger;
+    payloads put without one are not in it.
     """
 
     def __init__(self, url: str, *, namespace: str | None = None, chunk_bytes: int = 8 << 20, max_retries: int = 64,
-                 retry_s: float | None = None):
+                 retry_s: float | None = None, budget: ByteBudget | None = None):
         """``url``: ``redis://HOST:PORT/DB``, optionally ``?namespace=NS`` (``namespace=`` wins; default kvrelay)
         and ``?retry_s=S`` (``retry_s=`` wins; default ``RETRY_S``): how long a call retries a lost connection,
         with backoff, before it raises ``StoreError`` (0: never).
@@ -75,7 +102,8 @@ class RedisStore(PayloadMethods):
 
         if chunk_bytes <= 0 or chunk_bytes > 256 << 20:
             raise ValueError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
-        server, ns, url_retry = _split_params(url)
+        server, ns, url_retry, url_budget = _split_params(url)
+        self.budget = budget if budget is not None else url_budget
         self.namespace = namespace or ns or "kvrelay"
         shown = _redacted(server)  # what messages and traces name: never the password
         self.url = shown if self.namespace == "kvrelay" else f"{shown}?namespace={self.namespace}"
@@ -91,6 +119,8 @@ class RedisStore(PayloadMethods):
             raise UnknownStore(f"{self.url!r} is not a Redis URL redis-py accepts; expected "
                                "redis://HOST:PORT/DB with DB a number") from None
         self._add_index = self.client.register_script(_INDEX_LUA)
+        self._stamp = self.client.register_script(_STAMP_LUA)
+        self._unlock = self.client.register_script(_UNLOCK_LUA)
 
     def _call(self, fn: Callable[[], R]) -> R:
         """``fn()``, a lost connection retried with backoff (bounded by ``retry_s``); Redis' own errors (no
@@ -131,7 +161,48 @@ class RedisStore(PayloadMethods):
                   full_hash: str = "") -> None:
         check_ttl(ttl_s)
         data = as_parts(data)
-        self._call(lambda: self._put(key, data, ttl_s, index, full_hash))
+        if self.budget is None:
+            self._call(lambda: self._put(key, data, ttl_s, index, full_hash))
+        else:
+            token = secrets.token_hex(8)  # one per put: a retried put knows the lock it took before
+            self._call(lambda: self._put_budgeted(key, data, ttl_s, index, full_hash, token))
+
+    def _b(self, what: str) -> str:
+        return f"{self.namespace}:b:{what}"
+
+    def _put_budgeted(self, key: str, data: Parts, ttl_s: float | None, index: IndexEntries, full_hash: str,
+                      token: str) -> None:
+        wait = 0.01
+        while not (self.client.set(self._b("lock"), token, nx=True, px=int(BUDGET_LOCK_S * 1000))
+                   or self.client.get(self._b("lock")) == token.encode()):
+            time.sleep(wait)  # another process is putting under the budget
+            wait = min(2 * wait, 0.5)
+        try:
+            for k in self._admit(key, sum(memoryview(c).nbytes for c in data)):
+                self._delete(k)
+                self.client.hdel(self._b("sizes"), k)
+                self.client.zrem(self._b("order"), k)
+            self._put(key, data, ttl_s, index, full_hash)
+            self._stamp(keys=[self._b("order"), self._b("seq"), self._b("sizes")],
+                        args=[key, "put", sum(memoryview(c).nbytes for c in data)])
+        finally:
+            self._unlock(keys=[self._b("lock")], args=[token])
+
+    def _admit(self, key: str, nbytes: int) -> list[str]:
+        """The keys the budget drops to take ``nbytes`` under ``key``; ``OverBudget`` when it cannot. Ledger
+        entries of payloads that are gone free their bytes first. Called under the budget lock."""
+        order = [k.decode() for k in self.client.zrange(self._b("order"), 0, -1)]
+        sizes = {k.decode(): int(v) for k, v in self.client.hgetall(self._b("sizes")).items()}
+        pipe = self.client.pipeline(transaction=False)
+        for k in order:
+            pipe.exists(self._m(k))
+        live = dict(zip(order, pipe.execute(), strict=True))
+        gone = [k for k in set(order) | set(sizes) if not live.get(k)]
+        if gone:
+            self.client.zrem(self._b("order"), *gone)
+            self.client.hdel(self._b("sizes"), *gone)
+        held = [(k, sizes[k]) for k in order if live[k] and k in sizes]
+        return ByteBudget.holding(self.budget.max_bytes, self.budget.policy, held).admit(key, nbytes, self.url)
 
     def _put(self, key: str, data: Parts, ttl_s: float | None, index: IndexEntries, full_hash: str) -> None:
         pieces = list(chunks(as_parts(data), self.chunk_bytes))
@@ -168,7 +239,11 @@ class RedisStore(PayloadMethods):
         return m
 
     def get_bytes(self, key: str) -> memoryview:
-        return self._call(lambda: self._get(key))
+        view = self._call(lambda: self._get(key))
+        if self.budget is not None and self.budget.policy == "lru":  # last used: now
+            self._call(lambda: self._stamp(keys=[self._b("order"), self._b("seq"), self._b("sizes")],
+                                           args=[key, "read", 0]))
+        return view
 
     def _get(self, key: str) -> memoryview:
         for _ in range(self.max_retries):
@@ -303,15 +378,16 @@ def _full_hash(raw: bytes) -> str | None:
     return m.get("full") if isinstance(m, dict) else None
 
 
-def _split_params(url: str) -> tuple[str, str | None, str | None]:
-    """``redis://h:p/db?namespace=NS&retry_s=S&x=y`` -> (``redis://h:p/db?x=y``, ``NS``, ``S``): kvrelay's own
-    parameters apart from redis-py's."""
+def _split_params(url: str) -> tuple[str, str | None, str | None, ByteBudget | None]:
+    """``redis://h:p/db?namespace=NS&retry_s=S&max_bytes=N&evict=P&x=y`` -> (``redis://h:p/db?x=y``, ``NS``,
+    ``S``, the budget): kvrelay's own parameters apart from redis-py's."""
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     ns = query.pop("namespace", [None])[-1]
     retry = query.pop("retry_s", [None])[-1]
+    budget = from_query(_redacted(url), query)
     rest = "&".join(f"{k}={v[-1]}" for k, v in query.items())
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), ns, retry
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), ns, retry, budget
 
 
 def _retry_seconds(value, url: str) -> float:

@@ -10,11 +10,13 @@ prefix (``prefix_payload`` does it with ``select_tokens``) and prefills only the
 
 A store is named by a URL, so another process (or machine) can open the same one::
 
-    memory://[NAME]          this process only (one store per NAME); ?max_bytes=N&evict=refuse|oldest|lru
-                             bounds what it holds (``transport.budget``)
+    memory://[NAME]          this process only (one store per NAME)
     file:///ABS/DIR          a folder (a plain directory path works too); shared by processes on a machine
     redis://HOST:PORT/DB     a Redis server (``?namespace=NS`` keeps several stores apart on one server);
                              redis://USER:PASSWORD@HOST:PORT/DB for an ACL user, rediss://... for TLS
+
+Each takes ``?max_bytes=N&evict=refuse|oldest|lru``: a byte budget on what it holds (``transport.budget``;
+a disk or Redis store's budget binds every process that opens it with one).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from urllib.parse import urlsplit
 from kvrelay.core.errors import PayloadNotFound, UnknownStore
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
-from kvrelay.transport.budget import POLICIES, ByteBudget
+from kvrelay.transport.budget import POLICIES, ByteBudget, from_query
 from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.disk import DiskStore
 from kvrelay.transport.keys import Tokens
@@ -62,7 +64,7 @@ def open_store(url: str | os.PathLike) -> MemoryStore | DiskStore | RedisStore:
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise UnknownStore(f"{s!r}: a file store URL names an absolute folder, file:///ABS/DIR")
-        return DiskStore(Path(parts.path))
+        return DiskStore(Path(parts.path), budget=_budget_only(s, parts.query, "a file store"))
     if parts.scheme in ("redis", "rediss", "unix"):
         return RedisStore(s)
     raise UnknownStore(f"unknown store URL {s!r}; expected one of {', '.join(STORE_URLS)}")
@@ -70,19 +72,17 @@ def open_store(url: str | os.PathLike) -> MemoryStore | DiskStore | RedisStore:
 
 def _memory_budget(url: str, query: str) -> ByteBudget | None:
     """``?max_bytes=N[&evict=refuse|oldest|lru]`` of a memory store URL (no query: no budget)."""
+    return _budget_only(url, query, "a memory store")
+
+
+def _budget_only(url: str, query: str, what: str) -> ByteBudget | None:
+    """The byte budget of a URL whose query may hold nothing else."""
     from urllib.parse import parse_qs
 
-    q = parse_qs(query)
-    if not q:
-        return None
-    unknown = set(q) - {"max_bytes", "evict"}
-    if unknown or "max_bytes" not in q:
-        raise UnknownStore(f"{url!r}: a memory store takes ?max_bytes=N[&evict={'|'.join(POLICIES)}], "
-                           f"not {sorted(q)}")
-    try:
-        return ByteBudget(int(q["max_bytes"][-1]), q.get("evict", ["refuse"])[-1])
-    except ValueError as e:
-        raise UnknownStore(f"{url!r}: {e}") from None
+    q = parse_qs(query, keep_blank_values=True)
+    if set(q) - {"max_bytes", "evict"}:
+        raise UnknownStore(f"{url!r}: {what} takes ?max_bytes=N[&evict={'|'.join(POLICIES)}], not {sorted(q)}")
+    return from_query(url, q)
 
 
 def prefix_payload(store: ByteStore, fingerprint: str, token_ids: Tokens) -> KVPayload | None:

@@ -179,7 +179,7 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
         part = {"partial": ins[0].partial} if len(ins) == 1 and ins[0].partial is not None and cache is not None else {}
         fallback, out, kind, why = "", None, None, ""
         if src is not None and cache is None and done[src].lost:  # its sender's store put failed
-            kind, why = "StoreError", done[src].lost
+            kind, _, why = done[src].lost.partition(": ")
         else:
             try:
                 out = ex.turn(spec.name, prompt, list(base), cache, **kw, **part)

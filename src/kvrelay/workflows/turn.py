@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvrelay.agents.agent import Agent
-from kvrelay.core.errors import StoreError
+from kvrelay.core.errors import OverBudget, StoreError
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.sign import Key, Keyring
 from kvrelay.transport.bytestore import ByteStore
@@ -43,7 +43,8 @@ class TurnOut:
     relay_decode_s: float
     get_s: float = 0.0  # the executor's fetch of the relayed payload
     put_s: float = 0.0  # the executor's hand-off of the produced payload
-    put_error: str = ""  # why the produced payload could not be stored (a StoreError's message; "" = it was)
+    put_error: str = ""  # why the produced payload could not be stored, "KIND: message" (StoreError or
+    # OverBudget: the store's byte budget refused it); "" = it was stored
     payload: Any = field(default=None, repr=False)
 
     def to_json(self) -> dict:
@@ -117,6 +118,6 @@ def store_turn(agent: Agent, store: ByteStore, prompt: str, base: Sequence[int],
     t0 = time.perf_counter()
     try:
         put_key = put_payload(store, out.payload, codec, key=out_key, model=agent.model, signer=signer)
-    except StoreError as e:  # the turn stands; its payload is not stored (a failed put leaves none behind)
-        return replace(out.with_handle(None, put_s=time.perf_counter() - t0), put_error=str(e))
+    except (StoreError, OverBudget) as e:  # the turn stands; its payload is not stored (none is left behind)
+        return replace(out.with_handle(None, put_s=time.perf_counter() - t0), put_error=f"{type(e).__name__}: {e}")
     return out.with_handle(put_key, put_s=time.perf_counter() - t0)
