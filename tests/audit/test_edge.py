@@ -18,7 +18,8 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from kvrelay.audit.edge import EdgeInput, load_inputs, parse_edge, run_edge_audit
+from kvrelay.audit.edge import EdgeAudit, EdgeInput, load_inputs, parse_edge, run_edge_audit
+from kvrelay.audit.seeding import SEED_DESIGN, seed_report
 from kvrelay.core.errors import InvalidInput
 from kvrelay.models.loader import load_model
 from kvrelay.workflows.run import run_workflow
@@ -75,6 +76,46 @@ def test_a_rerun_resumes_and_adds_nothing(lm, inputs, tmp_path):
     before = (tmp_path / "records.jsonl").read_text()
     run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv", "kv_mismatched"), n_boot=100)
     assert (tmp_path / "records.jsonl").read_text() == before and len(before.splitlines()) == 6
+
+
+def test_each_seed_pairs_an_input_with_another_partner(lm, inputs, tmp_path):
+    """The partner is the input 1 + seed mod (n - 1) places later by context length, and the mismatched
+    answer is the one the receiver gives over *that* input's cache (not just a label that moves)."""
+    seeds = (0, 1, 2)
+    run_edge_audit(WF, "reader->final", inputs, "exact", tmp_path, lm, arms=("kv", "kv_mismatched"), seeds=seeds,
+                   n_boot=100)
+    rows = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    n = len(inputs)
+    assert n >= 4
+    order = sorted(range(n), key=lambda i: (len(inputs[i].context), i))
+    want = {s: {order[k]: order[(k + 1 + s % (n - 1)) % n] for k in range(n)} for s in seeds}
+    by = {(r["task_id"], r["arm"], r["seed"]): r for r in rows}
+    audit = EdgeAudit(WF, "reader->final", inputs, "exact", ("kv_mismatched",), seeds, lm, tmp_path / "check")
+    arm = audit.arms[0]
+    answers_move = False
+    for i, x in enumerate(inputs):
+        got = [by[(f"reader->final/{x.id}", "kv_mismatched", s)] for s in seeds]
+        assert [r["partner"] for r in got] == [f"reader->final/{inputs[want[s][i]].id}" for s in seeds]
+        assert not any(r.get("reused") for r in got)
+        pre = audit.prefix(x)
+        for s, r in zip(seeds, got, strict=True):
+            other = audit.mismatched(pre, audit.prefix(inputs[want[s][i]]))
+            assert audit.run_arm(arm, x, pre, other, s)["answer"] == r["answer"], (x.id, s)
+        answers_move |= len({r["answer"] for r in got}) > 1
+        kv = [by[(f"reader->final/{x.id}", "kv", s)] for s in seeds]
+        assert [bool(r.get("reused")) for r in kv] == [False, True, True]  # kv's input no seed changes
+    assert answers_move  # the partners' caches give other answers, so the seeds vary something
+    assert "mismatch_partner" in seed_report(rows)["varies"]
+    assert json.loads((tmp_path / "config.json").read_text())["seed_design"] == SEED_DESIGN
+
+
+def test_a_folder_made_before_partners_varied_is_not_resumed(lm, inputs, tmp_path):
+    run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv",), n_boot=100)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["seed_design"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidInput, match="seed design"):
+        run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv",), n_boot=100)
 
 
 def test_bad_edges_inputs_and_scores_are_refused(tmp_path):

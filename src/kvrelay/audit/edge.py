@@ -7,16 +7,20 @@ decides only what RECEIVER gets from SENDER; every other agent runs as written:
 * ``kv`` — SENDER's whole-turn cache (the edge is run as a ``kv`` edge whatever the file says);
 * ``text_full`` — SENDER's whole turn re-encoded (the text channel: the same tokens);
 * ``none`` — nothing from SENDER: RECEIVER reads its own turn only;
-* ``kv_mismatched`` — SENDER's whole-turn cache of another input (the next one in run order, by context
-  length), cut or extended to exactly the matched cache's length, so position and presence are equal;
+* ``kv_mismatched`` — SENDER's whole-turn cache of another input (by context length, the one
+  ``seeding.partner_shift(seed)`` places later in run order: the next one under seed 0, another one
+  under each seed, as in the task-set audit), cut or extended to exactly the matched cache's length,
+  so position and presence are equal; its record names that input (``partner``);
 * ``kv_zeroed``, ``kv_random``, ``kv_noise:σ``, ``kv_layers:SPEC``, ``kv_tokens:…``, ``kv_codec:NAME``
   — the matched cache through the same transforms and codecs as the task-set audit (``audit.arms``).
 
 The workflow's final answer (its last agent's) is scored against the reference with ``--score``
 (``exact``, ``contains``, ``f1`` from ``audit.tasks.scoring``, or ``python:MODULE:FUNC``, a function
 ``(answer, references) -> float in [0, 1]``). Agents before RECEIVER run once per input (greedy, so
-every arm sees the same upstream turns); an arm whose input does not depend on the seed runs once and
-is recorded for each seed. Records have the task-set audit's fields with ``task`` = the edge name, so
+every arm sees the same upstream turns); a trial whose input does not depend on the seed (everything
+but the mismatch partner and the random draws) runs once and is recorded for each seed (``reused``).
+A folder made before the partner varied with the seed (``config.json`` without ``seed_design``) is not
+resumed. Records have the task-set audit's fields with ``task`` = the edge name, so
 ``report.rebuild`` gives the same statistics, verdict and HTML report. ``latency_s``, ``prefill_tokens``
 and ``relay_bytes`` are RECEIVER's (the arm's transform + its cache build, prefill and decode).
 """
@@ -34,6 +38,7 @@ import torch
 
 from kvrelay.audit.arms import build_kv, parse_arm
 from kvrelay.audit.partners import mismatch_partners
+from kvrelay.audit.seeding import SEED_DESIGN
 from kvrelay.audit.tasks import scoring
 from kvrelay.audit.vocab import ADAPTER_ARMS, REGIMES, VARIANT_ARMS
 from kvrelay.core.errors import InvalidInput
@@ -127,6 +132,22 @@ def check_arms(arms: Sequence[str]) -> tuple[str, ...]:
                                "none, text_full, kv, kv_mismatched, kv_zeroed, kv_random, kv_noise:S, "
                                "kv_layers:SPEC, kv_tokens:…, kv_codec:NAME")
     return tuple(arms)
+
+
+def check_resume(out: Path | str) -> None:
+    """Refuse a folder whose records were made under another seed design (their partners ignore the seed);
+    cheap, so the CLI calls it before the model loads."""
+    from kvrelay.audit.runner import _records_done
+
+    out = Path(out)
+    if not _records_done(out / "records.jsonl"):
+        return
+    cfg = out / "config.json"
+    made = json.loads(cfg.read_text()).get("seed_design") if cfg.exists() else None
+    if made != SEED_DESIGN:
+        raise InvalidInput(f"{out} holds records made under seed design "
+                           f"{made or 'an earlier version, whose seeds repeated the same partner'!r}",
+                           f"a new --out (this version's seeds vary {SEED_DESIGN!r}: docs/audit.md)")
 
 
 class _Stop(Exception):  # noqa: N818 - control flow: the prefix run has what it needs
@@ -262,46 +283,70 @@ class EdgeAudit:
     def total_trials(self) -> int:
         return len(self.inputs) * len(self.arms) * len(self.seeds)
 
+    def partners(self) -> dict[int, list[int]]:
+        """``{seed: partners}``: input ``i``'s mismatch partner under each seed (``partners.mismatch_partners``)."""
+        order = self.order()
+        return {s: mismatch_partners(order, s) for s in self.seeds}
+
     def run(self) -> Path:
         from kvrelay.audit.runner import _records_done
 
+        check_resume(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "records.jsonl"
         done = _records_done(path)
         order = self.order()
-        partners = mismatch_partners(order)
+        rank = {i: k for k, i in enumerate(order)}
+        partners = self.partners()
         needs_other = any(a.needs_mismatch for a in self.arms)
+        last_use = {i: k for k, i in enumerate(order)}  # the last run-order place an input's prefix is needed
+        if needs_other:
+            for ps in partners.values():
+                for i, j in enumerate(ps):
+                    last_use[j] = max(last_use[j], rank[i])
         cache: dict[int, _Prefix] = {}
+
+        def prefix(j: int) -> _Prefix:
+            if j not in cache:
+                cache[j] = self.prefix(self.inputs[j])
+            return cache[j]
+
         with path.open("a") as f:
-            for i in order:
+            for k, i in enumerate(order):
                 x = self.inputs[i]
                 todo = [(a, s) for a in self.arms for s in self.seeds
                         if (f"{self.edge}/{x.id}", a.name, s) not in done]
-                if not todo:
-                    continue
-                pre = cache.pop(i, None) or self.prefix(x)
-                other = None
-                if needs_other:
-                    j = partners[i]
-                    cache[j] = cache.get(j) or self.prefix(self.inputs[j])
-                    other = self.mismatched(pre, cache[j])
-                memo: dict[str, dict] = {}
-                for arm, seed in todo:
-                    if not arm.stochastic and arm.name in memo:
-                        row = dict(memo[arm.name], seed=seed, reused=True)
-                    else:
-                        row = self.run_arm(arm, x, pre, other, seed)
-                        memo[arm.name] = row
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                    self.progress(1)
-                for k in [k for k in cache if k != partners[i]]:  # keep only the next input's prefix
-                    del cache[k]
+                if todo:
+                    self._run_input(f, x, prefix(i), todo, {s: partners[s][i] for s in self.seeds}, prefix)
+                for j in [j for j in cache if last_use[j] <= k]:  # keep only prefixes a later input needs
+                    del cache[j]
         return path
+
+    def _run_input(self, f, x: EdgeInput, pre: _Prefix, todo, partner: dict[int, int], prefix) -> None:
+        """``x``'s trials ``todo`` ((arm, seed) pairs) into ``f``; a trial whose input another seed already
+        ran (same arm, and for a mismatch arm the same partner; never a random draw) is copied (``reused``)."""
+        others: dict[int, KVPayload] = {}  # partner index -> its length-matched cache
+        memo: dict[tuple, dict] = {}
+        for arm, seed in todo:
+            j = partner[seed] if arm.needs_mismatch else None
+            if j is not None and j not in others:
+                others[j] = self.mismatched(pre, prefix(j))
+            key = (arm.name, j)
+            if not arm.stochastic and key in memo:
+                row = dict(memo[key], seed=seed, reused=True)
+            else:
+                row = self.run_arm(arm, x, pre, others.get(j), seed)
+                if j is not None:
+                    row["partner"] = f"{self.edge}/{self.inputs[j].id}"
+                memo[key] = row
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            self.progress(1)
 
     def config(self) -> dict:
         return {"workflow": self.wf.name, "edge": self.edge, "inputs": len(self.inputs), "score": self.score_spec,
-                "arms": [a.name for a in self.arms], "seeds": list(self.seeds), "regime": self.regime}
+                "arms": [a.name for a in self.arms], "seeds": list(self.seeds), "regime": self.regime,
+                "seed_design": SEED_DESIGN}
 
 
 def run_edge_audit(wf: Workflow, edge: str, inputs: list[EdgeInput], score: str, out: Path | str, lm, *,

@@ -179,7 +179,15 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
                 model: str | None, arms: str | None, seeds: str | None, tasks: str | None, out: Path,
                 threads: int | None, engine: str) -> None:
     """``--workflow``: the audit of one edge (``kvrelay.audit.edge``), checked before the model loads."""
-    from kvrelay.audit.edge import EDGE_ARMS, check_arms, load_inputs, parse_edge, run_edge_audit, scorer
+    from kvrelay.audit.edge import (
+        EDGE_ARMS,
+        check_arms,
+        check_resume,
+        load_inputs,
+        parse_edge,
+        run_edge_audit,
+        scorer,
+    )
     from kvrelay.audit.vocab import PLAIN_ARMS, REGIMES, parse_arm
     from kvrelay.workflows.spec import Workflow
 
@@ -205,6 +213,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     name = model or "qwen2.5-coder-0.5b"
     v.model(name)
     v.output_folder(out)
+    check_resume(out)
     v.positive(threads, "--threads")
     v.engine(engine)
     lm = load_for_cli(name, threads, engine)
