@@ -22,7 +22,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.agents.receive import RoundBook
-from kvrelay.core.errors import CorruptPayload, IncompatiblePayload, PayloadNotFound
+from kvrelay.core.errors import CorruptPayload, IncompatiblePayload, OverBudget, PayloadNotFound
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 from kvrelay.serve import handles
@@ -70,11 +70,13 @@ class Result:
     prefill_s: float  # building the cache and prefilling (the answer's own part of ttft_s)
     decode_s: float
     total_s: float
+    handle_error: str = ""  # why a turn that asked for a handle has none (its cache did not fit the store's budget)
 
     def ext(self, model: str) -> dict:
         """The response's ``kvrelay`` extension object."""
         return {"handle": self.handle, "replica_model": model, "context": [u.to_json() for u in self.uses],
-                "relayed_tokens": self.usage.relayed_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s}
+                "relayed_tokens": self.usage.relayed_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s} | (
+                    {"handle_error": self.handle_error} if self.handle_error else {})
 
 
 @dataclass(slots=True)
@@ -244,12 +246,18 @@ class Replica:
                                    rounds=RoundBook())
         if deltas is not None:
             deltas.finish(r.text)
-        handle = self._store_turn(r.payload, whole + [Message("assistant", r.text)]) if want else None
+        handle, handle_error = None, ""
+        if want:
+            try:
+                handle = self._store_turn(r.payload, whole + [Message("assistant", r.text)])
+            except OverBudget as e:  # the answer stands; the client continues by sending the text
+                handle_error = f"OverBudget: {e}"
         finish = "length" if len(r.token_ids) >= req.max_tokens else "stop"
         held = cache.num_tokens if cache is not None else 0
         t1 = time.perf_counter()
         return Result(r.text, r.token_ids, finish, Usage(held + len(ids), len(r.token_ids), held), tuple(uses),
-                      handle, t0 - arrived, (first[0] if first else t1) - arrived, r.ttft_s, r.decode_s, t1 - arrived)
+                      handle, t0 - arrived, (first[0] if first else t1) - arrived, r.ttft_s, r.decode_s, t1 - arrived,
+                      handle_error)
 
     def _store_turn(self, p: KVPayload, messages: list[Message]) -> str:
         """Store the turn's cache holding exactly ``messages`` as this model tokenizes them; return its handle.
