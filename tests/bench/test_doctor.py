@@ -225,8 +225,16 @@ def test_cli_doctor_link_writes_the_documented_json(tmp_path):
 def test_cli_doctor_exits_1_on_a_failed_check_and_2_on_a_mistake(tmp_path):
     from kvrelay.cli.app import app
 
-    res = CliRunner().invoke(app, ["doctor", "models", "tiny:llama", "tiny:gemma3"])
+    out = tmp_path / "models.json"
+    before = torch.get_num_threads()
+    threads = 1 if before != 1 else 2
+    try:
+        res = CliRunner().invoke(app, ["doctor", "models", "tiny:llama", "tiny:gemma3", "--threads", str(threads),
+                                       "--json", str(out)])
+    finally:
+        torch.set_num_threads(before)
     assert res.exit_code == 1 and "impossible" in res.output
+    assert json.loads(out.read_text())["threads"] == threads
     res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--codec", "zstd"])
     assert res.exit_code == 2
     res = CliRunner().invoke(app, ["doctor", "link", "--model", "tiny:llama", "--threads", "0"])

@@ -184,4 +184,4 @@ def diagnose_models(sender, receiver) -> Report:
     a, b = config_rows(sender), config_rows(receiver)
     rows = [{"field": k, "sender": a[k], "receiver": b[k], "same": a[k] == b[k]} for k in ROWS]
     return Report("models", (relay_need(sender, receiver),),
-                  {"sender": sender.name, "receiver": receiver.name, "rows": rows})
+                  {"sender": sender.name, "receiver": receiver.name, "rows": rows, "threads": torch.get_num_threads()})

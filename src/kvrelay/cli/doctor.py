@@ -49,17 +49,19 @@ def models_cmd(
     sender: str = typer.Argument(..., help="the sending model (zoo name, folder, transformers id or tiny:ARCH)"),
     receiver: str = typer.Argument(..., help="the receiving model"),
     engine: str = typer.Option(DEFAULT_ENGINE, help="the receiver's " + ENGINE_HELP),
+    threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     json_path: Path = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Two configs side by side, and what relay from SENDER to RECEIVER needs (exact, head map, adapter, ...)."""
     v.model(sender, "SENDER")
     v.model(receiver, "RECEIVER")
     v.engine(engine)
+    v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
     from kvrelay.bench.doctor_models import diagnose_models
 
-    a = load_for_cli(sender)
-    b = load_for_cli(receiver, None, engine)
+    a = load_for_cli(sender, threads)
+    b = load_for_cli(receiver, threads, engine)
     report = diagnose_models(a, b)
     t = Table(title=f"{sender} -> {receiver}")
     for c in ("field", sender, receiver, ""):
