@@ -109,14 +109,29 @@ class DiskStore(PayloadMethods):
         if self.budget is None:
             self._put(key, parts, side, index)
             return
-        with self._typed(f"lock {self.root / 'budget.lock'}"), open(self.root / "budget.lock", "ab") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with self._budget_lock():
             for k in self._admit(key, sum(memoryview(p).nbytes for p in parts)):
                 self.delete(k)
             self._put(key, parts, side, index)
             now = time.time_ns()
             with self._typed(f"stamp {key!r}"):
                 os.utime(self.path(key), ns=(now, now))  # put (oldest) and last used (lru): now
+
+    @contextmanager
+    def _budget_lock(self):
+        """Hold ``root/budget.lock`` exclusively (every budgeted put of every process takes it)."""
+        path = self.root / "budget.lock"
+        with self._typed(f"lock {path}"):
+            lock = open(path, "ab")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except BaseException:
+                lock.close()
+                raise
+        try:
+            yield
+        finally:
+            lock.close()  # releases the lock
 
     def _admit(self, key: str, nbytes: int) -> list[str]:
         """The keys the budget drops to take ``nbytes`` under ``key`` (expired payloads deleted first);
