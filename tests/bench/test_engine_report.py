@@ -76,6 +76,24 @@ def test_targets_compare_the_fastest_kvrelay_mode_with_the_peer(recorded):
         "decode >= 1.0x llama.cpp tokens/s"]["met"]
 
 
+def test_targets_judge_the_default_auto_mode_when_it_ran_and_ask_3x_prefill_on_amx(recorded):
+    raw = copy.deepcopy(recorded)
+    ours = [e for e in raw["engines"] if e["engine"] == "kvrelay"]
+    slowest = min(ours, key=lambda e: statistics.median((t["decode_tokens"] - 1) / t["decode_s"] for t in e["trials"]))
+    slowest.update(mode="auto", resolved_mode="bf16+int8")
+    res = report(raw, model="m", command="c", extra={"cpu_flags": ["avx512f", "amx_tile", "amx_bf16"]})
+    row = next(r for r in res["rows"] if r["mode"] == "auto")
+    t = {x["target"]: x for x in res["targets"]}
+    assert "auto (bf16+int8)" in t["decode at >= 0.7 of the bandwidth limit"]["detail"]
+    peer = next(r for r in res["rows"] if r["engine"] == "llama.cpp")
+    dec = t["decode >= 1.0x llama.cpp tokens/s"]
+    assert dec["value"] == pytest.approx(row["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
+    assert t["prefill >= 3x llama.cpp (AMX on this CPU)"]["goal"] == 3.0
+    assert "| auto (bf16+int8) |" in markdown(res)
+    plain = {x["target"] for x in report(raw, model="m", command="c", extra={"cpu_flags": ["avx512f"]})["targets"]}
+    assert "prefill >= 1x llama.cpp (no AMX on this CPU)" in plain
+
+
 def test_malformed_peer_output_is_refused_naming_what_is_missing(recorded):
     bad = copy.deepcopy(recorded)
     for tr in _engine(bad, "llama.cpp")["trials"]:

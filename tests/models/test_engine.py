@@ -18,6 +18,7 @@ from kvrelay.models.loader import with_engine
 from tests.conftest import random_ids
 
 COMPACT = tuple(e for e in ENGINES if e != "fp32")
+FP32_PREFILL = tuple(e for e in COMPACT if "+" not in e)
 TOL = 1e-4
 CONTEXT = "the vault is blue and the key is seven what is the code of the red file"
 
@@ -56,7 +57,7 @@ def test_whole_turn_payload_holds_what_a_reader_of_the_text_computes(tiny, engin
     assert kv.token_ids == text.token_ids
 
 
-@pytest.mark.parametrize("engine", COMPACT)
+@pytest.mark.parametrize("engine", FP32_PREFILL)
 def test_compact_weights_serve_one_token_calls_only(tiny, engine):
     lm = with_engine(tiny, engine)
     ids = random_ids(9, 1)
@@ -138,19 +139,70 @@ def test_engine_travels_on_the_wire_and_defaults_to_fp32():
     assert PayloadMeta.from_strings(legacy).engine == "fp32"
 
 
-def test_auto_uses_the_cached_pick(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", [e for e in COMPACT if e.startswith("bf16+")])
+def test_bf16_prefill_runs_multi_token_calls_in_bf16_and_one_token_calls_in_the_decode_precision(tiny, engine):
+    from transformers import DynamicCache
+
+    from kvrelay.models.engine import precisions
+
+    lm = with_engine(tiny, engine)
+    assert precisions(engine) == ("bf16", engine.split("+")[1])
+    decode_twin = with_engine(tiny, engine.split("+")[1])  # the same decode precision, fp32 prefill
+    ids, pos = torch.tensor([random_ids(9, 1)]), torch.arange(9)[None]
+    many = [forward_all(m.model, ids, pos, DynamicCache(config=m.model.config), None) for m in (tiny, lm)]
+    assert 0 < (many[0] - many[1]).abs().max().item() < 0.5  # prefill: bf16 GEMMs, close to fp32
+    one = [forward_last(m.model, ids[:, :1], pos[:, :1], DynamicCache(config=m.model.config), None)
+           for m in (decode_twin, lm)]
+    assert torch.equal(one[0], one[1])  # decode: the decode precision's kernel, whatever the prefill
+
+
+def test_auto_choice_follows_the_measurements():
+    from kvrelay.models.engine_auto import PREFILL_MARGIN, choose
+
+    c = choose({"fp32": 1.0, "bf16": 0.25}, {"fp32": 0.1, "bf16": 0.06, "int8": 0.04})
+    assert (c.engine, c.prefill, c.decode) == ("bf16+int8", "bf16", "int8")
+    assert "4.00x" in c.why and "int8 40.0" in c.why
+    slow = choose({"fp32": 1.0, "bf16": 5.0}, {"fp32": 0.1, "bf16": 0.06, "int8": 0.07})  # an AVX2-only host
+    assert (slow.engine, slow.prefill) == ("bf16", "fp32") and "under" in slow.why
+    edge = choose({"fp32": PREFILL_MARGIN * 0.99, "bf16": 1.0}, {"fp32": 0.1})  # a gain inside the margin
+    assert edge.engine == "fp32"
+    assert choose({"fp32": PREFILL_MARGIN, "bf16": 1.0}, {"fp32": 0.1}).engine == "bf16+fp32"
+    with pytest.raises(ValueError, match="positive timings"):
+        choose({"bf16": 1.0}, {"fp32": 0.1})
+
+
+def test_auto_measures_both_phases_records_why_and_is_reproducible_from_its_record(tiny, tmp_path, monkeypatch):
     from kvrelay.models import engine_auto
 
     monkeypatch.setenv("KVRELAY_HOME", str(tmp_path))
-    times = engine_auto.measure_engines(tiny, ("fp32", "int8"))
-    assert set(times) == {"fp32", "int8"} and all(t > 0 for t in times.values())
     picked = engine_auto.pick_engine(tiny, ("fp32", "int8"))
     cache = json.loads((tmp_path / "engine_auto.json").read_text())
     (entry,) = cache.values()
-    assert entry["engine"] == picked and set(entry["decode_s"]) == {"fp32", "int8"}
+    assert set(entry["decode_s"]) == {"fp32", "int8"} and set(entry["prefill_s"]) == {"fp32", "bf16"}
+    assert all(t > 0 for t in (*entry["decode_s"].values(), *entry["prefill_s"].values()))
+    again = engine_auto.choose(entry["prefill_s"], entry["decode_s"], entry["prefill_margin"])
+    assert entry["engine"] == picked == again.engine and entry["why"] == again.why
+    assert (entry["prefill"], entry["decode"]) == (again.prefill, again.decode)
+    assert entry["cpu_flags"] == list(engine_auto.cpu_flags()) and entry["threads"] == torch.get_num_threads()
+    assert engine_auto.cached_entry(tiny) == entry
     entry["engine"] = "int8" if picked == "fp32" else "fp32"  # a later load reads the pick, not the clock
     (tmp_path / "engine_auto.json").write_text(json.dumps(cache))
     assert engine_auto.pick_engine(tiny, ("fp32", "int8")) == entry["engine"]
+    entry["version"] = 1  # an entry of an older layout (decode only) is measured again
+    (tmp_path / "engine_auto.json").write_text(json.dumps(cache))
+    engine_auto.pick_engine(tiny, ("fp32", "int8"))
+    (fresh,) = json.loads((tmp_path / "engine_auto.json").read_text()).values()
+    assert fresh["version"] == engine_auto.VERSION and fresh["measured_at"] > entry["measured_at"]
+
+
+def test_a_payload_records_both_precisions_and_another_prefill_is_refused(tiny):
+    p = Agent(with_engine(tiny, "bf16+int8"), "s").read(CONTEXT)
+    assert p.meta.engine == "bf16+int8"
+    assert PayloadMeta.from_strings(p.meta.to_strings()).engine == "bf16+int8"
+    with pytest.raises(EngineMismatch):  # same decode precision, other prefill
+        Agent(with_engine(tiny, "int8"), "r", max_new_tokens=4).respond("what is the key", p)
+    got = Agent(with_engine(tiny, "int8"), "r", adapter=AcceptEngines(("bf16+int8",))).check(p)
+    assert got.meta.adapter.startswith("engine:bf16+int8@")
 
 
 def test_unknown_engine_is_a_clear_error(tiny):

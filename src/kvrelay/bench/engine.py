@@ -99,7 +99,14 @@ class KvrelaySide:
                 "decode_s": relay.decode_s, "decode_tokens": len(relay.token_ids)}
 
     def raw(self, trials: list[dict], pipelines: list[dict], check: dict) -> dict:
-        return {"engine": "kvrelay", "mode": self.mode, "codec": self.codec, "relay_bytes": len(self.blob),
+        from kvrelay.models.engine import precisions
+        from kvrelay.models.engine_auto import cached_entry
+
+        resolved = self.lm.identity.engine
+        prefill, decode = precisions(resolved)
+        picked = {"auto": cached_entry(self.lm)} if self.mode == "auto" else {}  # the measurements and why
+        return {"engine": "kvrelay", "mode": self.mode, "resolved_mode": resolved, "prefill_precision": prefill,
+                "decode_precision": decode, **picked, "codec": self.codec, "relay_bytes": len(self.blob),
                 "weight_bytes": decode_weight_bytes(self.lm.model), "sender_prefill_s": self.sender_prefill_s,
                 "pack_s": self.pack_s, "check": check, "trials": trials, "pipeline": {"kv": pipelines}}
 

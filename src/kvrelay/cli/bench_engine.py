@@ -21,16 +21,6 @@ def _group() -> None:
     """Keep ``engine`` a named sub-command even while it is the only one."""
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _codec_parse(name: str):
     from kvrelay.kv.codecs import parse
 
@@ -54,6 +44,8 @@ def _gguf_for(model: str, gguf: Path | None) -> Path:
 
 
 def print_report(res: dict) -> None:
+    from kvrelay.bench.engine_report import mode_label
+
     load = res["load_average"]
     t = Table(title=f"bench engine — {res['model']}, {res['context_tokens']} context tokens, {res['threads']} "
                     f"threads (medians of {res['repeats']}; machine: {res['machine']['mem_gbs']:.1f} GB/s, "
@@ -63,7 +55,7 @@ def print_report(res: dict) -> None:
                 "text TTFT s", "relay TTFT s", "relay MB", "relay = text"):
         t.add_column(col, justify="left" if col in ("engine", "mode") else "right")
     for r in res["rows"]:
-        t.add_row(r["engine"], r["mode"], f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_fraction_of_limit']:.2f}",
+        t.add_row(r["engine"], mode_label(r), f"{r['prefill_tokens_per_s']:.0f}", f"{r['prefill_fraction_of_limit']:.2f}",
                   f"{r['decode_tokens_per_s']:.2f}", f"{r['decode_fraction_of_limit']:.2f}",
                   f"{r['text_ttft_s']:.2f}", f"{r['relay_ttft_s']:.3f}", f"{r['relay_bytes'] / 1e6:.1f}",
                   "yes" if r["relay_identical"] else "no")
@@ -77,7 +69,7 @@ def print_report(res: dict) -> None:
                       " ".join(f"{x:.1f}" for x in r["total_s_each"]))
         console.print(p)
     if res["targets"]:
-        g = Table(title="targets (kvrelay's fastest-decoding mode)")
+        g = Table(title="targets (kvrelay's default mode, auto, when measured; else its fastest-decoding mode)")
         for col in ("target", "value", "goal", "met", "measured"):
             g.add_column(col, justify="right" if col in ("value", "goal") else "left")
         for x in res["targets"]:
@@ -134,8 +126,10 @@ def engine_cmd(
                        pipeline_modes=pipe_modes, progress=note, allow_load=allow_load)
     import torch
 
+    from kvrelay.models.engine_auto import cpu_flags, cpu_model
+
     res = report(raw, model=model, command=command_line(),
-                 extra={"cpu": _cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                        "torch": torch.__version__})
+                 extra={"cpu": cpu_model(), "cpu_flags": list(cpu_flags()), "cpus": os.cpu_count(),
+                        "platform": platform.platform(), "torch": torch.__version__})
     print_report(res)
     write_json(json_path, res, console=console)

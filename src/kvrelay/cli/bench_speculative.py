@@ -80,9 +80,12 @@ def speculative_cmd(
     raw = bench_speculative(target_lm, draft_lm, setup, modes=modes, allow_load=allow_load, progress=note)
     import torch
 
+    from kvrelay.models.engine_auto import cpu_flags, cpu_model
+
     res = report(raw, target=target, draft=draft if use_draft else None, command=command_line(),
-                 extra={"cpu": _cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                        "torch": torch.__version__, "engine": engine})
+                 extra={"cpu": cpu_model(), "cpu_flags": list(cpu_flags()), "cpus": os.cpu_count(),
+                        "platform": platform.platform(), "torch": torch.__version__, "engine": engine,
+                        "resolved_engine": target_lm.identity.engine})
     print_report(res)
     write_json(json_path, res, console=console)
 
@@ -93,7 +96,3 @@ def _codec_parse(name: str):
     return parse(name)
 
 
-def _cpu_model() -> str:
-    from kvrelay.cli.bench_engine import _cpu_model as cpu
-
-    return cpu()

@@ -2,22 +2,29 @@
 
 On a CPU the fastest precision differs between the two phases of generation:
 
-* **prefill** (many tokens per call) is compute-bound: fp32 GEMM is the fastest there;
+* **prefill** (many tokens per call) is compute-bound: fp32 GEMM, or bf16 GEMM where the CPU has
+  bf16 dot-product instructions (``avx512_bf16``, AMX) and oneDNN's bf16 GEMM outruns fp32 (on
+  AVX2-only hosts it is several times slower; ``benchmarks/prefill_gemm.py`` measures it);
 * **decode** (one token per call) is memory-bound: every weight is read once per token, so
   compact weights (bf16/fp16, per-row int8, group-wise int4) cut the bytes read.
 
-``apply_engine(model, mode)`` swaps every ``nn.Linear`` (through the public module tree, as
-quantizers do) for a ``PhaseLinear`` that keeps the original fp32 parameter for calls with more
-than one token and a compact copy for one-token calls — ``x`` of shape (..., 1, in). Activations,
-norms, attention and the KV cache stay fp32, so a cache looks the same in every mode; only the
-one-token matmuls (decode steps and the last-position lm-head) differ. A tied lm-head keeps sharing
-its fp32 weight with the embedding; its compact copy is made once.
+A mode names both phases: ``PREFILL+DECODE`` (``bf16+int8``: bf16 prefill GEMMs, int8 one-token
+calls); a bare decode name (``int8``) keeps fp32 prefill, as every mode did before prefill had a
+choice; ``fp32`` is fp32 in both phases. ``precisions(name)`` splits a name into its two phases.
 
-Modes: ``fp32`` (no swap), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``, per-row
-symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``, asymmetric
-int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape rules use
-int8). The mode is part of a model's identity (``ModelIdentity.engine``): caches made in one mode
-are refused by another unless accepted explicitly (``kvrelay.fuse.engine``).
+``apply_engine(model, mode)`` swaps every ``nn.Linear`` (through the public module tree, as
+quantizers do) for a ``PhaseLinear`` that keeps the original fp32 parameter (and, for bf16 prefill,
+a bf16 copy) for calls with more than one token and a compact copy for one-token calls — ``x`` of
+shape (..., 1, in). Activations, norms, attention and the KV cache stay fp32, so a cache looks the
+same in every mode; only the linear layers' products differ. A tied lm-head keeps sharing its fp32
+weight with the embedding; its copies are made once.
+
+Decode precisions: ``fp32``, ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
+per-row symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``,
+asymmetric int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape
+rules use int8). The mode is part of a model's identity (``ModelIdentity.engine``) and of every
+payload's metadata: caches made in one mode are refused by another unless accepted explicitly
+(``kvrelay.fuse.engine``).
 """
 
 from __future__ import annotations
@@ -33,22 +40,48 @@ from torch import nn
 INT4_GROUP = 32  # input features per int4 scale/zero pair
 
 
+PREFILLS = ("fp32", "bf16")  # precisions of multi-token (prefill) GEMMs
+DECODES = ("fp32", "bf16", "fp16", "int8", "int4")  # precisions of one-token calls
+_DECODE = {
+    "fp32": ("fp32 weights", 4.0),
+    "bf16": ("bf16 weights and activations", 2.0),
+    "fp16": ("fp16 weights and activations", 2.0),
+    "int8": ("per-row int8 weights (bf16 activations)", 1.0),
+    "int4": (f"int4 weights in groups of {INT4_GROUP} (bf16 activations)", 0.5 + 4 / INT4_GROUP),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineMode:
     name: str
+    prefill: str  # precision of multi-token calls: one of PREFILLS
+    decode: str  # precision of one-token calls: one of DECODES
     description: str
     weight_bytes: float  # bytes per weight read by a one-token call (the decode memory traffic)
-    phase_uniform: bool  # decode and prefill compute with the same weights (no per-phase difference)
+
+    def __post_init__(self):
+        if self.prefill not in PREFILLS or self.decode not in DECODES:
+            raise ValueError(f"expected a prefill in {PREFILLS} and a decode in {DECODES}, "
+                             f"got {self.prefill!r}, {self.decode!r}")
+
+    @property
+    def phase_uniform(self) -> bool:
+        """Both phases compute with the fp32 weights (no swap at all)."""
+        return self.prefill == "fp32" and self.decode == "fp32"
 
 
-MODES = {m.name: m for m in (
-    EngineMode("fp32", "fp32 weights in both phases", 4.0, True),
-    EngineMode("bf16", "fp32 prefill; bf16 weights and activations for one-token calls", 2.0, False),
-    EngineMode("fp16", "fp32 prefill; fp16 weights and activations for one-token calls", 2.0, False),
-    EngineMode("int8", "fp32 prefill; per-row int8 weights (bf16 activations) for one-token calls", 1.0, False),
-    EngineMode("int4", f"fp32 prefill; int4 weights in groups of {INT4_GROUP} (bf16 activations) "
-                       "for one-token calls", 0.5 + 4 / INT4_GROUP, False),
-)}
+def mode_name(prefill: str, decode: str) -> str:
+    """The name of the mode with these phases: ``decode`` alone for fp32 prefill, else ``prefill+decode``."""
+    return decode if prefill == "fp32" else f"{prefill}+{decode}"
+
+
+def _mode(prefill: str, decode: str) -> EngineMode:
+    what, nbytes = _DECODE[decode]
+    return EngineMode(mode_name(prefill, decode), prefill, decode,
+                      f"{prefill} prefill; {what} for one-token calls", nbytes)
+
+
+MODES = {m.name: m for m in (_mode(p, d) for p in PREFILLS for d in DECODES)}
 ENGINES = tuple(MODES)  # every concrete mode; "auto" resolves to one of them (``models.engine_auto``)
 
 
@@ -56,6 +89,12 @@ def mode(name: str) -> EngineMode:
     if name not in MODES:
         raise ValueError(f"engine must be one of {[*ENGINES, 'auto']}, got {name!r}")
     return MODES[name]
+
+
+def precisions(name: str) -> tuple[str, str]:
+    """(prefill, decode) precisions of mode ``name`` (what a payload made in that mode was computed with)."""
+    m = mode(name)
+    return m.prefill, m.decode
 
 
 # ---- compact weights: (N, K) fp32 -> what a one-token call multiplies with ---------------------
@@ -88,13 +127,13 @@ def _int4_fits(w: torch.Tensor) -> bool:
 
 
 class PhaseLinear(nn.Linear):
-    """``nn.Linear`` that multiplies one-token inputs with compact weights and the rest with fp32.
+    """``nn.Linear`` that multiplies one-token inputs with compact weights and the rest in the prefill precision.
 
-    ``weight``/``bias`` are the original parameters (shared, e.g. with a tied embedding); the compact
-    copy lives in non-persistent buffers, so ``state_dict`` and weight hashes are those of the model.
+    ``weight``/``bias`` are the original parameters (shared, e.g. with a tied embedding); the copies
+    live in non-persistent buffers, so ``state_dict`` and weight hashes are those of the model.
     """
 
-    def __init__(self, src: nn.Linear, kind: str):
+    def __init__(self, src: nn.Linear, kind: str, prefill: str = "fp32"):
         nn.Module.__init__(self)
         self.in_features, self.out_features = src.in_features, src.out_features
         self.weight, self.bias = src.weight, src.bias
@@ -102,8 +141,10 @@ class PhaseLinear(nn.Linear):
         w = src.weight.detach().float()  # (N, K)
         if kind == "int4" and not _int4_fits(w):
             kind = "int8"
-        self.kind = kind
-        if kind in ("bf16", "fp16"):
+        self.kind, self.prefill = kind, prefill
+        if kind == "fp32":
+            self.act = torch.float32
+        elif kind in ("bf16", "fp16"):
             self.act = torch.bfloat16 if kind == "bf16" else torch.float16
             self.register_buffer("w_c", w.to(self.act), persistent=False)  # (N, K)
         elif kind == "int8":
@@ -118,9 +159,17 @@ class PhaseLinear(nn.Linear):
             self.register_buffer("s_c", sz, persistent=False)  # (K/G, N, 2)
         else:
             raise ValueError(f"no compact kernel {kind!r}")
+        if prefill == "bf16":  # the prefill GEMM's weights; shared with a bf16 decode copy
+            self.register_buffer("w_p", self.w_c if kind == "bf16" else w.to(torch.bfloat16), persistent=False)
+        elif prefill != "fp32":
+            raise ValueError(f"no prefill precision {prefill!r}; expected one of {PREFILLS}")
+        else:
+            self.w_p = None
 
     def compact(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) fp32 -> (M, N) fp32 through the compact weights."""
+        if self.kind == "fp32":
+            return nn.functional.linear(x, self.weight)
         xa = x.to(self.act)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xa, self.w_c, self.s_c)
@@ -131,15 +180,21 @@ class PhaseLinear(nn.Linear):
         return y.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., q, K)
-        if x.ndim < 2 or (x.shape[-2] != 1 and not self.every_call) or x.dtype != torch.float32:
+        if x.ndim < 2 or x.dtype != torch.float32:
             return nn.functional.linear(x, self.weight, self.bias)
+        if x.shape[-2] != 1 and not self.every_call:
+            if self.w_p is None:
+                return nn.functional.linear(x, self.weight, self.bias)
+            y = nn.functional.linear(x.to(torch.bfloat16), self.w_p).float()  # (..., q, N), bf16 GEMM
+            return y if self.bias is None else y + self.bias
         y = self.compact(x.reshape(-1, self.in_features))  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, one_token={self.kind}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, prefill={self.prefill}, "
+                f"one_token={self.kind}")
 
 
 def apply_engine(model: nn.Module, name: str) -> nn.Module:
@@ -151,13 +206,13 @@ def apply_engine(model: nn.Module, name: str) -> nn.Module:
     if m.phase_uniform:
         return model
     if next(model.parameters()).dtype != torch.float32:
-        raise ValueError(f"engine {name!r} needs an fp32 model (prefill runs in fp32)")
+        raise ValueError(f"engine {name!r} needs an fp32 model (its weights are the fp32 ones)")
     done: dict[int, PhaseLinear] = {}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 if id(child) not in done:
-                    done[id(child)] = PhaseLinear(child, name)
+                    done[id(child)] = PhaseLinear(child, m.decode, m.prefill)
                 setattr(parent, child_name, done[id(child)])
     return model
 
@@ -196,7 +251,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     for mod in model.modules():
         if isinstance(mod, PhaseLinear):
-            for t in (mod.w_c, getattr(mod, "s_c", None), mod.bias):
+            for t in (getattr(mod, "w_c", mod.weight), getattr(mod, "s_c", None), mod.bias):
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
                     total += t.numel() * t.element_size()

@@ -1,10 +1,22 @@
-"""``engine="auto"``: the fastest engine mode for a model on this machine, measured once and cached.
+"""``engine="auto"``: the fastest engine mode for a model on this machine, each phase measured once and cached.
 
-The measurement times one-token decode steps of the real model in each candidate mode (medians
-over a few steps after a warm-up) and keeps the fastest. Results are cached in
-``$KVRELAY_HOME/engine_auto.json`` per (machine, torch version, threads, model fingerprint), so later
-loads pick without measuring. Candidates are the modes whose greedy answers are kept on the
-benchmarks (``AUTO_CANDIDATES``); other modes are opt-in.
+Two measurements of the real model (random token ids, medians after a warm-up):
+
+* **prefill** — seconds of one ``PREFILL_TOKENS``-token prefill with fp32 GEMMs and with bf16 GEMMs
+  (``AUTO_PREFILLS``): bf16 is several times faster on CPUs with bf16 dot products (``avx512_bf16``,
+  AMX) and several times slower on AVX2-only ones, so only a measurement can tell;
+* **decode** — seconds per one-token step in each decode precision of ``AUTO_DECODES``, after a
+  ``DECODE_CONTEXT``-token prefill.
+
+``choose`` turns the measurements into a mode: bf16 prefill only when it is at least
+``PREFILL_MARGIN`` times as fast as fp32 (it rounds the prefill's GEMM inputs to bf16, so it must buy
+a clear speedup), the decode precision with the fewest seconds per token. ``choose`` is a pure function
+of what is recorded, so the pick can be recomputed from the cache file, and its ``why`` says it in
+one sentence.
+
+Results are cached in ``$KVRELAY_HOME/engine_auto.json`` per (CPU model, the CPU flags that decide
+GEMM speed, torch version, threads, model fingerprint), so later loads pick without measuring. An
+entry holds the key's parts, the measurements, the pick and the reason (``docs/engine.md``).
 """
 
 from __future__ import annotations
@@ -14,23 +26,76 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvrelay.core.paths import home
+from kvrelay.models.engine import mode_name
 
-AUTO_CANDIDATES = ("fp32", "bf16", "int8")
-_CONTEXT, _WARMUP, _STEPS = 128, 2, 6
+AUTO_PREFILLS = ("fp32", "bf16")
+AUTO_DECODES = ("fp32", "bf16", "int8")  # int4 and fp16 are opt-in (their accuracy: docs/engine.md)
+PREFILL_MARGIN = 1.2  # bf16 prefill must be at least this many times as fast as fp32
+PREFILL_TOKENS, DECODE_CONTEXT = 256, 128
+_PREFILL_RUNS, _WARMUP, _STEPS = 3, 2, 6
+GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16",
+              "amx_int8")  # the CPU flags that decide which GEMM kernels oneDNN can use
+VERSION = 2  # of an entry's layout; entries of other versions are measured again
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    engine: str
+    prefill: str
+    decode: str
+    why: str
+
+
+def choose(prefill_s: dict[str, float], decode_s: dict[str, float], margin: float = PREFILL_MARGIN) -> Choice:
+    """The mode the measurements call for (pure: the same numbers give the same pick).
+
+    ``prefill_s``: seconds of one prefill per prefill precision (must include fp32);
+    ``decode_s``: seconds per decode step per decode precision.
+    """
+    if "fp32" not in prefill_s or not decode_s or any(t <= 0 for t in (*prefill_s.values(), *decode_s.values())):
+        raise ValueError(f"expected positive timings with an fp32 prefill, got {prefill_s}, {decode_s}")
+    decode = min(decode_s, key=lambda k: (decode_s[k], k))
+    ratio = prefill_s["fp32"] / prefill_s["bf16"] if "bf16" in prefill_s else None
+    prefill = "bf16" if ratio is not None and ratio >= margin else "fp32"
+    if ratio is None:
+        p_why = "prefill fp32 (bf16 not measured)"
+    else:
+        p_why = (f"prefill {prefill}: bf16 GEMMs ran {ratio:.2f}x fp32's speed "
+                 f"({prefill_s['bf16']:.3f} s vs {prefill_s['fp32']:.3f} s), "
+                 f"{'at least' if prefill == 'bf16' else 'under'} the {margin}x required")
+    others = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(decode_s.items(), key=lambda kv: kv[1]))
+    d_why = f"decode {decode}: the fewest ms per token ({others})"
+    return Choice(mode_name(prefill, decode), prefill, decode, f"{p_why}; {d_why}")
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """Which of ``GEMM_FLAGS`` this CPU has (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ()
+    have = set(line.split(":", 1)[-1].split())
+    return tuple(f for f in GEMM_FLAGS if f in have)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        platform.processor() or platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 def machine_key(fingerprint: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|{fingerprint[:16]}"
+    return (f"{cpu_model()}|{','.join(cpu_flags())}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+            f"|{fingerprint[:16]}")
 
 
 def _cache_file():
@@ -44,17 +109,36 @@ def _read_cache() -> dict:
         return {}
 
 
-def decode_step_s(lm, *, context: int = _CONTEXT, warmup: int = _WARMUP, steps: int = _STEPS) -> float:
+def _ids(lm, n: int) -> torch.Tensor:
+    vocab = lm.model.config.get_text_config(decoder=True).vocab_size
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))  # (1, n)
+
+
+def prefill_s(lm, tokens: int = PREFILL_TOKENS, runs: int = _PREFILL_RUNS) -> float:
+    """Median seconds of one ``tokens``-token prefill from an empty cache (after one untimed run)."""
+    from transformers import DynamicCache
+
+    from kvrelay.models.generate import forward_last
+
+    ids = _ids(lm, tokens)
+    pos = torch.arange(tokens)[None]  # (1, T)
+    times = []
+    for _ in range(runs + 1):
+        cache = DynamicCache(config=lm.model.config)
+        t0 = time.perf_counter()
+        forward_last(lm.model, ids, pos, cache, None)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def decode_step_s(lm, *, context: int = DECODE_CONTEXT, warmup: int = _WARMUP, steps: int = _STEPS) -> float:
     """Median seconds of one greedy decode step after a ``context``-token prefill (random token ids)."""
     from transformers import DynamicCache
 
     from kvrelay.models.generate import forward_last
 
-    vocab = lm.model.config.get_text_config(decoder=True).vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, context), generator=g)  # (1, T)
     cache = DynamicCache(config=lm.model.config)
-    logits = forward_last(lm.model, ids, torch.arange(context)[None], cache, None)
+    logits = forward_last(lm.model, _ids(lm, context), torch.arange(context)[None], cache, None)
     times = []
     for step in range(warmup + steps):
         tok = logits.argmax(-1)[:, None]  # (1, 1)
@@ -64,24 +148,36 @@ def decode_step_s(lm, *, context: int = _CONTEXT, warmup: int = _WARMUP, steps: 
     return statistics.median(times[warmup:])
 
 
-def measure_engines(lm, candidates=AUTO_CANDIDATES) -> dict[str, float]:
-    """Decode seconds per token of ``lm`` (fp32) in each candidate mode."""
+def measure(lm, prefills=AUTO_PREFILLS, decodes=AUTO_DECODES) -> dict[str, dict[str, float]]:
+    """``{"prefill_s": {precision: s}, "decode_s": {precision: s per token}}`` of ``lm`` (fp32) on this machine."""
     from kvrelay.models.engine import with_engine
 
-    return {name: decode_step_s(with_engine(lm, name)) for name in candidates}
+    return {"prefill_s": {p: prefill_s(with_engine(lm, mode_name(p, "fp32"))) for p in prefills},
+            "decode_s": {d: decode_step_s(with_engine(lm, d)) for d in decodes}}
 
 
-def pick_engine(lm, candidates=AUTO_CANDIDATES) -> str:
-    """The cached pick for ``lm`` on this machine, or measure, cache and return it."""
-    key = machine_key(lm.identity.fingerprint)
-    hit = _read_cache().get(key)
-    if hit and hit.get("engine") in candidates and set(hit.get("decode_s", {})) == set(candidates):
+def cached_entry(lm) -> dict | None:
+    """This machine's recorded measurement and pick for ``lm``, if any (what ``pick_engine`` reads)."""
+    hit = _read_cache().get(machine_key(lm.identity.fingerprint))
+    return hit if isinstance(hit, dict) and hit.get("version") == VERSION else None
+
+
+def pick_engine(lm, candidates=AUTO_DECODES, prefills=AUTO_PREFILLS) -> str:
+    """The cached pick for ``lm`` on this machine, or measure both phases, cache and return it."""
+    hit = cached_entry(lm)
+    if hit and set(hit.get("decode_s", {})) == set(candidates) and set(hit.get("prefill_s", {})) == set(prefills):
         return hit["engine"]
-    times = measure_engines(lm, candidates)
-    best = min(times, key=times.get)
+    measured = measure(lm, prefills, candidates)
+    c = choose(measured["prefill_s"], measured["decode_s"])
+    entry = {"version": VERSION, "engine": c.engine, "prefill": c.prefill, "decode": c.decode, "why": c.why,
+             **measured, "prefill_margin": PREFILL_MARGIN, "prefill_tokens": PREFILL_TOKENS,
+             "decode_context": DECODE_CONTEXT, "cpu": cpu_model(), "cpu_flags": list(cpu_flags()),
+             "torch": torch.__version__, "threads": torch.get_num_threads(),
+             "model_fingerprint": lm.identity.fingerprint, "measured_at": time.time()}
     cache = _read_cache()
-    cache[key] = {"engine": best, "decode_s": times, "measured_at": time.time()}
+    cache[machine_key(lm.identity.fingerprint)] = entry
     tmp = _cache_file().with_name(f"engine_auto.json.{os.getpid()}.tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_text(json.dumps(cache, indent=1))
     os.replace(tmp, _cache_file())
-    return best
+    return c.engine
