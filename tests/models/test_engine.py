@@ -219,3 +219,20 @@ def test_padded_batch_decodes_each_row_as_alone_in_int8(tiny):
     batched = receiver.respond_batch(prompts, payloads)
     for p, prompt, got in zip(payloads, prompts, batched, strict=True):
         assert got.token_ids == receiver.respond(prompt, p, max_new_tokens=6).token_ids
+
+
+def test_mode_names_split_in_one_place():
+    from kvrelay.core.modes import mode_name, split_mode
+    from kvrelay.policy.features import Features
+
+    for name, m in ENGINES_MODES().items():
+        assert split_mode(name) == (m.prefill, m.decode) and mode_name(m.prefill, m.decode) == name
+    assert Features.of("a b c", "x", 1, "bf16+int8").quantized and not Features.of("a", "x", 1, "bf16").quantized
+    for bad in ("fp32+int8", "int8+bf16", "bf16+", "+int8", "bf16+int8+int4", "auto"):
+        with pytest.raises(ValueError):
+            split_mode(bad)
+
+
+def ENGINES_MODES():
+    from kvrelay.models.engine import MODES
+    return MODES

@@ -37,11 +37,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from kvrelay.core.modes import DECODES, PREFILLS, mode_name
+
 INT4_GROUP = 32  # input features per int4 scale/zero pair
 
 
-PREFILLS = ("fp32", "bf16")  # precisions of multi-token (prefill) GEMMs
-DECODES = ("fp32", "bf16", "fp16", "int8", "int4")  # precisions of one-token calls
 _DECODE = {
     "fp32": ("fp32 weights", 4.0),
     "bf16": ("bf16 weights and activations", 2.0),
@@ -68,11 +68,6 @@ class EngineMode:
     def phase_uniform(self) -> bool:
         """Both phases compute with the fp32 weights (no swap at all)."""
         return self.prefill == "fp32" and self.decode == "fp32"
-
-
-def mode_name(prefill: str, decode: str) -> str:
-    """The name of the mode with these phases: ``decode`` alone for fp32 prefill, else ``prefill+decode``."""
-    return decode if prefill == "fp32" else f"{prefill}+{decode}"
 
 
 def _mode(prefill: str, decode: str) -> EngineMode:

@@ -24,12 +24,18 @@ import re
 from dataclasses import dataclass
 
 from kvrelay.core.errors import InvalidInput
+from kvrelay.core.modes import split_mode
 
 BASE_CHANNELS = ("none", "text_message", "text_full", "kv")
 PREFIXED = ("adapter", "variant")  # channels with a name after a colon
-QUANTIZED_ENGINES = ("int8", "int4")
+QUANTIZED_ENGINES = ("int8", "int4")  # decode precisions that count as quantized
 SEES_CONTEXT = 0.5  # overlap from which the receiver is taken to see the problem itself
 _WORD = re.compile(r"[a-z0-9]{3,}")
+
+
+def quantized_engine(engine: str) -> bool:
+    """The mode decodes with compact integer weights (``bf16+int8`` does, ``bf16`` does not)."""
+    return split_mode(engine)[1] in QUANTIZED_ENGINES
 
 
 def words(text: str) -> set[str]:
@@ -95,7 +101,7 @@ class Features:
 
     @classmethod
     def of(cls, context: str, prompt: str, context_tokens: int, engine: str = "fp32") -> Features:
-        return cls(overlap(context, prompt), context_tokens, engine in QUANTIZED_ENGINES)
+        return cls(overlap(context, prompt), context_tokens, quantized_engine(engine))
 
     @property
     def sees_context(self) -> bool:

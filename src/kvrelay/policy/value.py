@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrelay.core.errors import InvalidInput
-from kvrelay.policy.features import Features, check_channel
+from kvrelay.policy.features import Features, check_channel, quantized_engine
 
 RIDGE = 1.0  # L2 penalty on the non-intercept coefficients (features are standardised)
 N_BOOT = 200
@@ -315,7 +315,7 @@ def observations_from_records(records: Iterable[dict], *, texts=None, engine: st
             pair = texts(tid) if texts is not None else None
             ov = overlap(*pair) if pair is not None else (1.0 if r["regime"] == "shared" else 0.0)
             n = ctx[tid] or int(round(1.3 * float(r.get("covariates", {}).get("doc_tokens", 1)))) or 1
-            cache[tid] = Features(ov, max(n, 1), engine in ("int8", "int4"))
+            cache[tid] = Features(ov, max(n, 1), quantized_engine(engine))
         out.append(Observation(tid, r["task"], key, cache[tid], float(np.mean(s)), float(len(s)), source))
     return out
 
