@@ -108,8 +108,13 @@ def test_tolerance_follows_dtype_and_codec_and_refuses_unknowns():
         "fp32", "float32", "int8") < tolerance("fp32", "float32", "int4")
     assert tolerance("int8", "bfloat16", "raw") == tolerance("fp32", "float32", "bf16")
     assert tolerance("fp32", "float32", "layers:0-1+int8-g64") == tolerance("fp32", "float32", "int8")
-    with pytest.raises(ValueError):
-        tolerance("fp64", "float32")
+    # a bf16 prefill widens an fp32 payload's bound to bf16's; the decode precision does not matter
+    assert tolerance("bf16+int4", "float32", "raw") == tolerance("bf16+fp32", "float32") == tolerance(
+        "fp32", "float32", "bf16") > tolerance("int4", "float32")
+    assert tolerance("bf16+fp32", "float32", "int4") == tolerance("fp32", "float32", "int4")
+    for bad in ("fp64", "fp32+int8", "auto"):
+        with pytest.raises(ValueError):
+            tolerance(bad, "float32")
     with pytest.raises(ValueError):
         VerifySpec(k=1)
     with pytest.raises(ValueError):
@@ -145,18 +150,28 @@ def test_the_corpus_run_resumes_from_its_records_and_covers_every_engine_mode(tm
     monkeypatch.setattr(trust, "FAULTS", ("nan", "stale_round", "noise_10pct_upper_layers"))
     monkeypatch.setattr(trust, "K_SWEEP", (4,))
     records, partial = tmp_path / "records.jsonl", []
-    res = trust.run_corpus("tiny:qwen2", k=4, genuine=6, context_tokens=64, trials=2, records=records, lm=lm,
+    n = len(ENGINES) + 1  # every mode once, the first twice
+    res = trust.run_corpus("tiny:qwen2", k=4, genuine=n, context_tokens=64, trials=2, records=records, lm=lm,
                            progress=partial.append)
     assert res["complete"] and [r["fault"] for r in res["rows"]] == ["nan", "stale_round", "noise_10pct_upper_layers"]
     assert all(r["detected"] for r in res["rows"])
     fp = res["false_positives"]
-    assert fp["payloads"] == 6 and fp["checks"] == 30 and fp["flagged"] == 0
+    assert fp["payloads"] == n and fp["checks"] == 5 * n and fp["flagged"] == 0
     assert fp["payloads_per_engine"] == {m: 2 if i == 0 else 1 for i, m in enumerate(ENGINES)}
-    assert len(partial) == 3 + 6 and not partial[0]["complete"] and partial[-1]["complete"]
+    assert len(partial) == 3 + n and not partial[0]["complete"] and partial[-1]["complete"]
     lines = records.read_text().splitlines()
     engines = {json.loads(line)["engine"] for line in lines if '"genuine:' in line}
     assert engines == set(ENGINES)
     # a rerun reads every row back from the records and appends nothing
-    again = trust.run_corpus("tiny:qwen2", k=4, genuine=6, context_tokens=64, trials=2, records=records, lm=lm)
+    again = trust.run_corpus("tiny:qwen2", k=4, genuine=n, context_tokens=64, trials=2, records=records, lm=lm)
     assert again["rows"] == res["rows"] and again["false_positives"] == fp
     assert records.read_text().splitlines() == lines
+    # a record made in another mode than its index's (an older rotation) is made again and replaced
+    stale = [json.loads(line) for line in lines]
+    for r in stale:
+        if r["id"] == "genuine:1":
+            r["engine"] = ENGINES[0]
+    records.write_text("".join(json.dumps(r) + "\n" for r in stale))
+    redo = trust.run_corpus("tiny:qwen2", k=4, genuine=n, context_tokens=64, trials=2, records=records, lm=lm)
+    assert redo["false_positives"]["payloads_per_engine"] == fp["payloads_per_engine"]
+    assert [json.loads(line)["id"] for line in records.read_text().splitlines()[len(lines):]] == ["genuine:1"]

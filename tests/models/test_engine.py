@@ -119,6 +119,9 @@ def test_accepting_another_mode_is_explicit_and_stamped(tiny):
     other = Agent(tiny, "s").read(CONTEXT).with_meta(model_fingerprint="0" * 64, engine="int8")
     with pytest.raises(IncompatiblePayload, match="model_fingerprint"):  # only the receiver's own weights
         AcceptEngines(("int8",)).adapt(other, fp32.identity)
+    for typo in ("int3", "fp32+int8", "auto"):  # not a mode: refused when written, not silently unmatched
+        with pytest.raises(ValueError, match="PREFILL"):
+            AcceptEngines((typo,))
 
 
 def test_engine_drift_measures_the_one_token_step(tiny):

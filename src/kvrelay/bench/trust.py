@@ -18,7 +18,7 @@ producer): only recomputation can catch those. Random faults (noise, which posit
 are drawn ``trials`` times; ``detection_probability`` is the share of draws caught. The
 false-positive rate is measured on ``genuine`` payloads of the benchmarks' inputs (the contexts of the
 ``squad``, ``gen``, ``drop`` and ``gsm8k`` task sets at their natural lengths, capped at
-``GENUINE_MAX_TOKENS``), made in each engine mode in turn (payload ``i`` in ``ENGINES[i % 5]``, by a producer and
+``GENUINE_MAX_TOKENS``), made in each engine mode in turn (payload ``i`` in ``corpus_mode(i)``, by a producer and
 checked by a receiver in that mode) and each checked under every codec a receiver accepts.
 ``cost_fraction`` is ``agents.verify``'s: multiply-adds run over those of a full re-prefill (0 for a
 defence that reads the header only). Every finished row is appended to ``records`` (JSONL) and a rerun
@@ -311,18 +311,24 @@ def genuine_inputs(n: int) -> list[str]:
     return [pools[i % len(pools)][i // len(pools)].context for i in range(n)]
 
 
+def corpus_mode(i: int) -> str:
+    """The engine mode genuine payload ``i`` is made and checked in: ``ENGINES`` in turn."""
+    return ENGINES[i % len(ENGINES)]
+
+
 def _false_positives(lm, n: int, k: int, done: dict, finished: Callable[[dict], None]) -> None:
-    """Genuine payloads ``genuine:i`` (``genuine_inputs``; engine mode ``ENGINES[i % 5]``) checked under every
+    """Genuine payloads ``genuine:i`` (``genuine_inputs``; engine mode ``corpus_mode(i)``) checked under every
     codec in ``CODECS`` (one resumable record per payload), mode by mode so one mode's weights are held at a
-    time."""
+    time. A record made in another mode than ``corpus_mode(i)`` (by a run before the modes it rotates over
+    changed) is made again, and the new row replaces it."""
     from kvrelay.models.engine import with_engine
 
-    todo = [i for i in range(n) if f"genuine:{i}" not in done]
+    todo = [i for i in range(n) if done.get(f"genuine:{i}", {}).get("engine") != corpus_mode(i)]
     if not todo:
         return
     texts = genuine_inputs(n)
-    for e, mode in enumerate(ENGINES):
-        mine = [i for i in todo if i % len(ENGINES) == e]
+    for mode in ENGINES:
+        mine = [i for i in todo if corpus_mode(i) == mode]
         if not mine:
             continue
         lm_e = lm if mode == lm.engine else with_engine(lm, mode)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvrelay.core.errors import EngineMismatch, IncompatiblePayload
+from kvrelay.core.modes import split_mode
 from kvrelay.kv.payload import KVPayload
 from kvrelay.models.identity import ModelIdentity
 
@@ -31,6 +32,8 @@ class AcceptEngines:
     def __post_init__(self):
         if not self.engines or not all(isinstance(e, str) and e for e in self.engines):
             raise ValueError(f"engines must be a non-empty tuple of engine names, got {self.engines!r}")
+        for e in self.engines:
+            split_mode(e)  # ValueError naming the expected form: a typo never matches silently
 
     @property
     def fingerprint(self) -> str:
