@@ -179,7 +179,7 @@ def test_runner_resume_drops_an_unfinished_last_record(qwen, tmp_path):
     assert len(again) == 4 and {(r["task_id"], r["arm"]) for r in again} == {
         (json.loads(x)["task_id"], json.loads(x)["arm"]) for x in lines}
     path.write_text(lines[0] + "\n{oops\n" + "\n".join(lines[1:]) + "\n")
-    with pytest.raises(AuditResumeMismatch, match=r"records.jsonl:2: not an audit record"):
+    with pytest.raises(AuditResumeMismatch, match=r"records.jsonl:2: not valid JSON.*not an audit record"):
         AuditRunner(cfg, qwen, tmp_path).run()
 
 

@@ -117,3 +117,23 @@ def test_cli_resume_keeps_the_records_of_tasks_this_run_does_not_ask_for(tmp_pat
     rows = [json.loads(line) for line in rec.read_text().splitlines()]  # every line parses: the cut one is gone
     assert rows[0] == other  # a smaller run never drops what a larger one wrote
     assert len(rows) == 3 and {row["task_id"] for row in rows[1:]} != {other["task_id"]}
+
+
+def test_records_that_are_not_trials_are_a_records_error_naming_the_file(tmp_path):
+    from kvrelay.bench.fuse_eval import read_trials
+    from kvrelay.core.errors import RecordsError
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"task_id": "t/0"}\n')
+    with pytest.raises(RecordsError, match=r"eval.jsonl: not a fuse eval trial"):
+        read_trials([path])
+
+
+def test_train_settings_refuse_what_the_cli_refuses():
+    from kvrelay.bench.fuse_fit import TrainSettings, problem_sources
+
+    with pytest.raises(ValueError, match="keep 'first'"):
+        TrainSettings(keep="first")
+    with pytest.raises(ValueError, match="leaves no training tasks"):
+        TrainSettings(examples=8, held_out=8)
+    assert problem_sources(["fit-sciq/0", "fit-boolq/3", "fit-sciq/1"]) == {"sciq": 2, "boolq": 1}

@@ -29,3 +29,31 @@ def test_a_bad_line_before_the_last_is_never_dropped(tmp_path):
     path.write_text('{"a": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"r.jsonl:2: expected a JSON object per line, got list"):
         read_json_lines(path, cut_tail_ok=True)
+
+
+def test_a_resumed_file_loses_its_cut_line_and_takes_appends_as_valid_lines(tmp_path):
+    """What every resumable run relies on: the half line a kill left is gone from the file (not only from
+    the rows), so the lines appended after it parse; an absent file resumes as no rows."""
+    from kvrelay.core.jsonl import append_json_lines, resume_json_lines
+
+    path = tmp_path / "sub" / "r.jsonl"
+    assert resume_json_lines(path) == []
+    append_json_lines(path, [{"a": 1}, {"a": 2}])  # the folder is made
+    path.write_text(path.read_text() + '{"a": 3, "b"')
+    with pytest.warns(UserWarning, match="unfinished last record"):
+        assert resume_json_lines(path) == [{"a": 1}, {"a": 2}]
+    append_json_lines(path, ({"a": k} for k in (3, 4)))
+    assert read_json_lines(path) == [{"a": k} for k in (1, 2, 3, 4)]
+    path.write_text('{"a": 1}')  # a whole last line without its newline: kept, and the newline restored
+    assert resume_json_lines(path) == [{"a": 1}] and path.read_text() == '{"a": 1}\n'
+
+
+def test_a_bad_line_is_a_typed_error_and_the_file_is_left_alone(tmp_path):
+    from kvrelay.core.errors import RecordsError
+    from kvrelay.core.jsonl import resume_json_lines
+
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"a": \n{"a": 2}\n')
+    with pytest.raises(RecordsError, match=r"r.jsonl:1: not valid JSON"):
+        resume_json_lines(path)
+    assert path.read_text() == '{"a": \n{"a": 2}\n'

@@ -87,3 +87,11 @@ def test_bridge_maps_a_reading_into_another_vocabulary():
     assert index.tolist() == list(range(len(ids)))
     same_ids, same_index = TokenBridge().receiver_reading(ids)
     assert same_ids == ids and same_index.tolist() == list(range(len(ids)))
+
+
+def test_bridge_between_is_none_for_one_tokenizer_and_refuses_a_crossing_without_both():
+    a, b = tiny_lm("llama").tokenizer, _shuffled_tokenizer()
+    assert TokenBridge.between("h", "h").same
+    assert not TokenBridge.between("h1", "h2", a, b).same
+    with pytest.raises(ValueError, match="this adapter crosses tokenizers"):
+        TokenBridge.between("h1", "h2", a, None, what="this adapter")

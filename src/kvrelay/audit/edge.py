@@ -42,6 +42,7 @@ from kvrelay.audit.seeding import SEED_DESIGN
 from kvrelay.audit.tasks import scoring
 from kvrelay.audit.vocab import ADAPTER_ARMS, REGIMES, VARIANT_ARMS
 from kvrelay.core.errors import InvalidInput
+from kvrelay.core.jsonl import append_json_lines, read_json_lines
 from kvrelay.kv.payload import KVPayload
 from kvrelay.workflows.executors import InProcessExecutor
 from kvrelay.workflows.run import run_workflow
@@ -67,8 +68,6 @@ class EdgeInput:
 
 def load_inputs(path: Path | str) -> list[EdgeInput]:
     """The inputs of a JSONL file; ``InvalidInput`` naming the line that is not ``{"context", "reference"}``."""
-    from kvrelay.core.jsonl import read_json_lines
-
     try:
         rows = read_json_lines(path)
     except (OSError, ValueError) as err:
@@ -311,20 +310,20 @@ class EdgeAudit:
                 cache[j] = self.prefix(self.inputs[j])
             return cache[j]
 
-        with path.open("a") as f:
-            for k, i in enumerate(order):
-                x = self.inputs[i]
-                todo = [(a, s) for a in self.arms for s in self.seeds
-                        if (f"{self.edge}/{x.id}", a.name, s) not in done]
-                if todo:
-                    self._run_input(f, x, prefix(i), todo, {s: partners[s][i] for s in self.seeds}, prefix)
-                for j in [j for j in cache if last_use[j] <= k]:  # keep only prefixes a later input needs
-                    del cache[j]
+        for k, i in enumerate(order):
+            x = self.inputs[i]
+            todo = [(a, s) for a in self.arms for s in self.seeds
+                    if (f"{self.edge}/{x.id}", a.name, s) not in done]
+            if todo:
+                self._run_input(path, x, prefix(i), todo, {s: partners[s][i] for s in self.seeds}, prefix)
+            for j in [j for j in cache if last_use[j] <= k]:  # keep only prefixes a later input needs
+                del cache[j]
         return path
 
-    def _run_input(self, f, x: EdgeInput, pre: _Prefix, todo, partner: dict[int, int], prefix) -> None:
-        """``x``'s trials ``todo`` ((arm, seed) pairs) into ``f``; a trial whose input another seed already
-        ran (same arm, and for a mismatch arm the same partner; never a random draw) is copied (``reused``)."""
+    def _run_input(self, path: Path, x: EdgeInput, pre: _Prefix, todo, partner: dict[int, int], prefix) -> None:
+        """``x``'s trials ``todo`` ((arm, seed) pairs), appended to the records at ``path``; a trial whose input
+        another seed already ran (same arm, and for a mismatch arm the same partner; never a random draw) is
+        copied (``reused``)."""
         others: dict[int, KVPayload] = {}  # partner index -> its length-matched cache
         memo: dict[tuple, dict] = {}
         for arm, seed in todo:
@@ -339,8 +338,7 @@ class EdgeAudit:
                 if j is not None:
                     row["partner"] = f"{self.edge}/{self.inputs[j].id}"
                 memo[key] = row
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+            append_json_lines(path, [row])
             self.progress(1)
 
     def config(self) -> dict:

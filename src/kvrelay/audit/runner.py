@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from kvrelay.audit.seeding import SEED_DESIGN, row_seed, seeded
 from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.audit.vocab import PARTIAL_ARMS
 from kvrelay.core.errors import KVRelayError
+from kvrelay.core.jsonl import append_json_lines, resume_json_lines
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 
@@ -89,31 +89,20 @@ class _TaskState:
 
 
 def _records_done(path: Path) -> set[tuple[str, str, int]]:
-    """(task id, arm, seed) of every record in ``path``.
-
-    A run killed mid-write leaves a last line without its newline: it is cut off (that trial runs
-    again) so appending stays valid JSONL. Any other unreadable line is an error naming its number.
-    """
+    """(task id, arm, seed) of every record in ``path`` (``core.jsonl.resume_json_lines``: a last line cut
+    short by a killed run is dropped and that trial runs again). Any other unreadable line is an error
+    naming its number."""
+    try:
+        rows = resume_json_lines(path)
+    except ValueError as err:
+        raise AuditResumeMismatch(f"{err}: not an audit record; fix or remove that line to resume") from None
     done: set[tuple[str, str, int]] = set()
-    if not path.exists():
-        return done
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        warnings.warn(f"{path}: dropping an unfinished last record ({len(data) - cut} bytes); it will be re-run",
-                      stacklevel=2)
-        with path.open("r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    for i, line in enumerate(data.decode().splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, r in enumerate(rows, 1):
         try:
-            r = json.loads(line)
             done.add((r["task_id"], r["arm"], int(r["seed"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise AuditResumeMismatch(f"{path}:{i}: not an audit record ({err}); fix or remove that line to resume") \
-                from None
+        except (KeyError, TypeError, ValueError) as err:
+            raise AuditResumeMismatch(f"{path}: record {i}: not an audit record ({err}); fix or remove it to "
+                                      "resume") from None
     return done
 
 
@@ -414,13 +403,8 @@ class AuditRunner:
         sizes = self.set_sizes()
         config = self._merged_config(sizes, done)
         (self.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        with self.records_path.open("a") as f:
-            def sink(row: dict) -> None:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-
-            for name, n in self.cfg.task_sets():
-                self.run_set(name, done, sink, limit=n)
+        for name, n in self.cfg.task_sets():
+            self.run_set(name, done, lambda row: append_json_lines(self.records_path, [row]), limit=n)
         return self.records_path
 
 

@@ -32,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +42,12 @@ from kvrelay.audit.channels import relabelled
 from kvrelay.audit.runner import length_matched
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
+from kvrelay.core.errors import RecordsError
+from kvrelay.core.jsonl import append_json_lines, read_json_lines, resume_json_lines
+from kvrelay.fuse import artefact
+from kvrelay.fuse.fuser import FuserAdapter
+from kvrelay.fuse.layers import LayersAdapter
+from kvrelay.fuse.ridge import RidgeAdapter
 
 METHODS = ("receiver", "sharer", "text", "text_full", "ridge", "layers", "fuser")
 MESSAGE = "Another assistant read the material and answered: {msg}"
@@ -180,6 +187,51 @@ def contrasts(trials: Sequence[Trial], receiver: str, sharer: str, n_boot: int =
 
 def trial_rows(trials: Sequence[Trial]) -> list[dict]:
     return [asdict(t) for t in trials]
+
+
+def as_trials(rows: Sequence[dict], where: object) -> list[Trial]:
+    """Records lines (``trial_rows``) back as trials; ``RecordsError`` naming ``where`` for one that is not."""
+    try:
+        return [Trial(**row) for row in rows]
+    except TypeError as err:  # a line without a trial's fields
+        raise RecordsError(f"{where}: not a fuse eval trial ({err})") from None
+
+
+def read_trials(paths: Sequence[Path]) -> list[Trial]:
+    """Every trial in ``paths`` (files written by ``evaluate``'s records; a cut last line is dropped)."""
+    return [t for f in paths for t in as_trials(read_json_lines(f, cut_tail_ok=True), f)]
+
+
+def load_adapters(r_lm, s_lm, receiver: str, sharer: str, methods: Sequence[str], *, ridge: Path | None = None,
+                  layers: Path | None = None, fuser: Path | None = None) -> dict:
+    """``{"adapter", "fuser", "layers"}`` (in the order a run's settings list them) for ``run_tasks``: the
+    adapter of each of ``ridge``, ``fuser``, ``layers`` that ``methods`` name, from its folder (default: the
+    pair's committed artefact), else None."""
+    def folder(given, method):
+        return given or artefact.default_dir(receiver, sharer, method)
+
+    return {"adapter": RidgeAdapter.load(folder(ridge, "ridge"), s_lm.tokenizer, r_lm.tokenizer)
+            if "ridge" in methods else None,
+            "fuser": FuserAdapter.load(folder(fuser, "fuser"), r_lm, s_lm.tokenizer) if "fuser" in methods else None,
+            "layers": LayersAdapter.load(folder(layers, "layers"), s_lm.tokenizer, r_lm.tokenizer)
+            if "layers" in methods else None}
+
+
+def evaluate(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters: dict, *, max_new_tokens: int = 16,
+             records: Path | None = None, progress: Callable | None = None) -> list[Trial]:
+    """``run_tasks`` with every trial kept in ``records`` as it lands. An existing file is resumed: its trials
+    of these tasks are not rerun, and every earlier trial stays in the file (this run's tasks or not)."""
+    earlier = as_trials(resume_json_lines(records), records) if records else []
+    ids = {t.id for t in tasks}
+    sink = (lambda trial: append_json_lines(records, trial_rows([trial]))) if records else None
+    return run_tasks(r_lm, s_lm, adapters["adapter"], tasks, methods, max_new_tokens=max_new_tokens,
+                     progress=progress, done=[t for t in earlier if t.task_id in ids], sink=sink,
+                     fuser=adapters["fuser"], layers=adapters["layers"])
+
+
+def settings_label(adapters: dict) -> dict:
+    """What each loaded adapter is, ``NAME@FINGERPRINT16`` (None when not loaded), for a run's settings."""
+    return {k: a and f"{a.name}@{a.fingerprint[:16]}" for k, a in adapters.items()}
 
 
 def synthetic_payload(sharer_lm, tokens: int):

@@ -16,12 +16,13 @@ generated tokens equal re-prefill's) and median TTFT (cache build — repair inc
 
 A run can keep its trials as JSON lines (:func:`trial_row`, one line per method, a task's lines
 written together once it is done): a later run with the same setup reads them back
-(:func:`read_records`) and only runs the tasks that are missing, so a frontier grows across runs
+(:func:`read_records`, or :func:`run` with ``records``) and only runs the tasks that are missing, so a frontier grows across runs
 (``squad_long`` and the generated records give the same first tasks whatever ``n`` is).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -35,7 +36,9 @@ from kvrelay.agents.agent import Agent
 from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task, approx_tokens
-from kvrelay.core.jsonl import read_json_lines
+from kvrelay.bench.plot import save_figure
+from kvrelay.core.errors import RecordsError
+from kvrelay.core.jsonl import append_json_lines, read_json_lines, resume_json_lines
 from kvrelay.fuse.adapter import IdentityAdapter
 from kvrelay.fuse.repair import parse_repair, repair_adapter
 
@@ -173,6 +176,69 @@ def run_case(case: str, sender_lm, receiver_lm, tasks: Sequence[Task], methods: 
     return trials
 
 
+TASK_SETS = ("gen", "squad")
+
+
+def task_set(kind: str, n: int, context_tokens: int, seed: int) -> list[Task]:
+    """``gen``: generated records (the receiver answers a number); ``squad``: ``squad_long``."""
+    if kind not in TASK_SETS:
+        raise ValueError(f"task set must be one of {TASK_SETS}, got {kind!r}")
+    if kind == "squad":
+        return squad_long(n, context_tokens, seed)
+    from kvrelay.audit.tasks.generated import generate
+
+    return generate(n, seed=seed, name="gen_repair", doc_tokens=context_tokens, n_distractors=0)
+
+
+def run(load: Callable, cases: Sequence[str], methods: Sequence[str], *, sender: str, receiver: str, model: str,
+        tasks: str = "gen", n: int = 20, context_tokens: int = 2048, seed: int = 0, max_new_tokens: int = 12,
+        profile: Path | None = None, threads: int | None = None, records: Path | None = None) -> dict:
+    """``bench repair``'s run: each case on the same tasks, its summary rows, the target check and the load.
+
+    ``load(name)`` loads a model (``variant``: ``sender`` and ``receiver``; ``replace``: ``model``).
+    ``records``: every trial as JSON lines (:func:`trial_row`), a task's lines appended once it is done; an
+    existing file is resumed first (a cut last line dropped), so the tasks it holds for the same setup are
+    not rerun and a larger ``n`` extends an earlier run."""
+    from kvrelay.fuse.profile import load_profile
+
+    prof = load_profile(profile) if profile else None
+    task_list = task_set(tasks, n, context_tokens, seed)
+    kept = resume_json_lines(records) if records else []
+    rows, meta = [], {}
+    load_before = os.getloadavg()[0]
+    setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
+               "threads": threads, "profile": str(profile) if profile else None}
+    for case in cases:
+        if case == "variant":
+            s_lm, r_lm = load(sender), load(receiver)
+            meta[case] = {"sender": sender, "receiver": receiver}
+        else:
+            s_lm = r_lm = load(model)
+            meta[case] = {"model": model}
+        setup = {**meta[case], **setting}
+        done = select_trials(kept, case, setup, where=records)
+        sink = None
+        if records:
+            def sink(trials, case=case, setup=setup):
+                append_json_lines(records, (trial_row(case, setup, t) for t in trials))
+
+        rows += summarize(case, run_case(case, s_lm, r_lm, task_list, methods, max_new_tokens=max_new_tokens,
+                                         profile=prof if case == "variant" else None, done=done, sink=sink))
+    return {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n,
+                                                   "context_tokens": context_tokens, "seed": seed},
+            "target_met": target_met(rows), "records": str(records) if records else None,
+            "load_average": {"load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}}
+
+
+def profile_variants(sender_lm, receiver_lm, sequences: int, context_tokens: int):
+    """``fuse.profile.profile_pair`` over the receiver's readings of ``sequences`` generated documents."""
+    from kvrelay.fuse.profile import profile_pair
+
+    reader = Agent(receiver_lm, "sender")
+    seqs = [reader.reading_ids(t.context) for t in task_set("gen", sequences, context_tokens, seed=1000)]
+    return profile_pair(sender_lm, receiver_lm, seqs)
+
+
 def trial_row(case: str, setup: dict, trial: Trial) -> dict:
     """One records line: the case, the run's ``setup`` (models, task set, seed, length...) and the trial."""
     return {"case": case, "setup": setup, **asdict(trial)}
@@ -187,12 +253,12 @@ def read_records(path: Path, case: str, setup: dict) -> list[Trial]:
 
 def select_trials(rows: Sequence[dict], case: str, setup: dict, where: object = "records") -> list[Trial]:
     """The :func:`trial_row` rows of ``case`` run with exactly ``setup``, as trials; a row that is not a
-    bench repair trial raises ``ValueError`` naming ``where`` and its position."""
+    bench repair trial raises ``RecordsError`` (a ``ValueError``) naming ``where`` and its position."""
     out = []
     fields = set(Trial.__dataclass_fields__)
     for i, row in enumerate(rows, 1):
         if not fields <= set(row) or not {"case", "setup"} <= set(row):
-            raise ValueError(f"{where}: trial {i}: expected a bench repair trial with case, setup and {sorted(fields)}")
+            raise RecordsError(f"{where}: trial {i}: expected a bench repair trial with case, setup and {sorted(fields)}")
         if row["case"] == case and row["setup"] == setup:
             out.append(Trial(**{**{f: row[f] for f in fields}, "tokens": tuple(row["tokens"])}))
     return out
@@ -262,6 +328,4 @@ def plot(rows: Sequence[dict], path) -> None:
     for ax in (ax_acc, ax_t):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

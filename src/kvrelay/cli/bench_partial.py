@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from itertools import zip_longest
 from pathlib import Path
@@ -78,29 +77,20 @@ def partial(
 
     from kvrelay.bench.partial import plot, run, select_trials, summarize, trial_row
     from kvrelay.cli.common import command_line, load_for_cli, state, write_json
-    from kvrelay.core.jsonl import read_json_lines, write_json_lines
+    from kvrelay.core.jsonl import append_json_lines, resume_json_lines
 
     per_set = [[(name, t) for t in load_tasks(name, limit=limit, seed=0)] for name in task_sets]
     task_list = [x for group in zip_longest(*per_set) for x in group if x is not None]  # sets interleaved
     setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
              "max_new_tokens": max_new_tokens, "message_tokens": message_tokens}
-    kept: list[dict] = []
-    if records is not None and records.is_file():
-        try:
-            kept = read_json_lines(records, cut_tail_ok=True)
-            done = select_trials(kept, setup, where=records)
-        except ValueError as err:
-            raise v.InvalidInput(str(err), "a --records file written by this command") from None
-        write_json_lines(records, kept)
-    else:
-        done = []
+    try:  # a line cut short by a killed run goes before anything is appended
+        done = select_trials(resume_json_lines(records), setup, where=records) if records is not None else []
+    except ValueError as err:
+        raise v.InvalidInput(str(err), "a --records file written by this command") from None
     sink = None
     if records is not None:
-        records.parent.mkdir(parents=True, exist_ok=True)
-
         def sink(trials):
-            with records.open("a", encoding="utf-8") as fh:
-                fh.write("".join(json.dumps(trial_row(setup, t)) + "\n" for t in trials))
+            append_json_lines(records, (trial_row(setup, t) for t in trials))
 
     load_before = os.getloadavg()[0]
     have = {t.task for t in done}

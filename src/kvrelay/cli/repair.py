@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -14,24 +13,8 @@ app = typer.Typer(help="Repair of approximate cache reuse by selective recompute
 console = Console(width=None if Console().is_terminal else 160)
 
 
-CASES = ("variant", "replace")
-
-
 def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(";") if x.strip()]
-
-
-TASK_SETS = ("gen", "squad")
-
-
-def _tasks(n: int, context_tokens: int, seed: int, kind: str = "gen"):
-    if kind == "squad":
-        from kvrelay.bench.repair import squad_long
-
-        return squad_long(n, context_tokens, seed)
-    from kvrelay.audit.tasks.generated import generate
-
-    return generate(n, seed=seed, name="gen_repair", doc_tokens=context_tokens, n_distractors=0)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -72,13 +55,10 @@ def repair(
                                         "are not rerun, so a larger --n extends an earlier run"),
 ):
     """Quality vs TTFT over recompute budgets: raw reuse (0) .. repairs .. full re-prefill (1)."""
-    import json
-
-    from kvrelay.bench.repair import plot, run_case, select_trials, summarize, target_met, trial_row
+    from kvrelay.bench.repair import CASES, TASK_SETS, plot, run
     from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
-    from kvrelay.core.jsonl import read_json_lines, write_json_lines
-    from kvrelay.fuse.profile import load_profile
+    from kvrelay.core.errors import RecordsError
     from kvrelay.fuse.repair import parse_repair
 
     case_list = v.names(cases, "--cases", CASES, "variant,replace")
@@ -95,51 +75,17 @@ def repair(
     v.writable_path(records, "--records")
     for name in ((sender, receiver) if "variant" in case_list else ()) + ((model,) if "replace" in case_list else ()):
         v.model(name)
-    prof = load_profile(profile) if profile else None
-    task_list = _tasks(n, context_tokens, seed, tasks)
-    kept: list[dict] = []
-    if records and records.is_file():  # read once; a line cut short by a killed run goes before anything is appended
-        try:
-            kept = read_json_lines(records, cut_tail_ok=True)
-        except ValueError as err:
-            raise typer.BadParameter(str(err), param_hint="--records") from None
-        write_json_lines(records, kept)
-    rows, meta = [], {}
-    load_before = os.getloadavg()[0]
-    setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
-               "threads": threads, "profile": str(profile) if profile else None}
-    for case in case_list:
-        if case == "variant":
-            s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
-            meta["variant"] = {"sender": sender, "receiver": receiver}
-        else:
-            s_lm = r_lm = load_for_cli(model, threads)
-            meta[case] = {"model": model}
-        setup = {**meta[case], **setting}
-        try:
-            done = select_trials(kept, case, setup, where=records)
-        except ValueError as err:
-            raise typer.BadParameter(str(err), param_hint="--records") from None
-        sink = None
-        if records:
-            records.parent.mkdir(parents=True, exist_ok=True)
-
-            def sink(trials, case=case, setup=setup):
-                with records.open("a", encoding="utf-8") as fh:
-                    fh.write("".join(json.dumps(trial_row(case, setup, t)) + "\n" for t in trials))
-
-        rows += summarize(case, run_case(case, s_lm, r_lm, task_list, method_list, max_new_tokens=max_new_tokens,
-                                         profile=prof if case == "variant" else None, done=done, sink=sink))
-    print_rows(rows)
-    met = target_met(rows)
-    console.print(f"budget <= 0.2, paired CI within +-2 points, >= 3x lower TTFT: {met}")
+    try:
+        out = run(lambda name: load_for_cli(name, threads), case_list, method_list, sender=sender,
+                  receiver=receiver, model=model, tasks=tasks, n=n, context_tokens=context_tokens, seed=seed,
+                  max_new_tokens=max_new_tokens, profile=profile, threads=threads, records=records)
+    except RecordsError as err:
+        raise typer.BadParameter(str(err), param_hint="--records") from None
+    print_rows(out["rows"])
+    console.print(f"budget <= 0.2, paired CI within +-2 points, >= 3x lower TTFT: {out['target_met']}")
     if json_path:
-        out = {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n, "context_tokens": context_tokens,
-                                                      "seed": seed}, "target_met": met,
-               "records": str(records) if records else None,
-               "load_average": {"load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}}
         write_json(json_path, out, console=console)
-        plot(rows, json_path.with_suffix(".png"))
+        plot(out["rows"], json_path.with_suffix(".png"))
         console.print(f"wrote {json_path.with_suffix('.png')}")
 
 
@@ -153,14 +99,11 @@ def repair_profile(
     threads: int | None = typer.Option(None),
 ):
     """Per-layer K/V deviation of SENDER vs RECEIVER (the artefact layers=auto:K chooses its block from)."""
-    from kvrelay.agents.agent import Agent
+    from kvrelay.bench.repair import profile_variants
     from kvrelay.cli.common import load_for_cli
-    from kvrelay.fuse.profile import profile_pair
 
-    s_lm, r_lm = load_for_cli(sender, threads), load_for_cli(receiver, threads)
-    reader = Agent(r_lm, "sender")
-    seqs = [reader.reading_ids(t.context) for t in _tasks(sequences, context_tokens, seed=1000)]
-    prof = profile_pair(s_lm, r_lm, seqs)
+    prof = profile_variants(load_for_cli(sender, threads), load_for_cli(receiver, threads), sequences,
+                            context_tokens)
     prof.save(out)
     t = Table(title=f"K/V deviation per layer, {sender} vs {receiver}")
     t.add_column("layer", justify="right")

@@ -226,3 +226,8 @@ class StoreError(KVRelayError):
 
 class InvalidWorkflow(KVRelayError, ValueError):
     """A workflow definition (TOML) is malformed: the message names the key and what was expected."""
+
+
+class RecordsError(KVRelayError, ValueError):
+    """A records file (JSON lines, one trial a line) holds a line that is not one of the run's records; the
+    message names the file and line."""

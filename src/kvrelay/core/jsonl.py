@@ -1,20 +1,21 @@
-"""JSON lines, as the runs that write a line per trial leave them: one reader and one rewriter for every such file."""
+"""JSON lines, as the runs that write a line per trial leave them: one reader, one rewriter, and the
+resumable-records pair every such run uses (``resume_json_lines`` at the start, ``append_json_lines`` as
+trials land), so a killed run is continued by running it again."""
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
+from kvrelay.core.errors import RecordsError
 
-def read_json_lines(path: Path | str, *, cut_tail_ok: bool = False) -> list[dict]:
-    """The JSON objects of ``path``, one per non-blank line, in order.
 
-    A line that is not a JSON object raises ``ValueError`` naming the file and line. With
-    ``cut_tail_ok`` a last line that is not valid JSON is dropped instead: a run killed while writing
-    leaves one, and the run that resumes from the file writes that trial again."""
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+def _parse(path: Path, text: str, cut_tail_ok: bool) -> tuple[list[dict], bool]:
+    """The objects of ``text`` (read from ``path``) and whether a cut last line was dropped."""
+    lines = text.splitlines()
     last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
     out = []
     for i, line in enumerate(lines, 1):
@@ -24,18 +25,56 @@ def read_json_lines(path: Path | str, *, cut_tail_ok: bool = False) -> list[dict
             obj = json.loads(line)
         except json.JSONDecodeError as err:
             if cut_tail_ok and i == last:
-                break
-            raise ValueError(f"{path}:{i}: not valid JSON ({err.msg})") from None
+                return out, True
+            raise RecordsError(f"{path}:{i}: not valid JSON ({err.msg})") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{i}: expected a JSON object per line, got {type(obj).__name__}")
+            raise RecordsError(f"{path}:{i}: expected a JSON object per line, got {type(obj).__name__}")
         out.append(obj)
-    return out
+    return out, False
 
 
-def write_json_lines(path: Path | str, rows: list[dict]) -> None:
+def read_json_lines(path: Path | str, *, cut_tail_ok: bool = False) -> list[dict]:
+    """The JSON objects of ``path``, one per non-blank line, in order.
+
+    A line that is not a JSON object raises ``RecordsError`` (a ``ValueError``) naming the file and line. With
+    ``cut_tail_ok`` a last line that is not valid JSON is dropped instead: a run killed while writing
+    leaves one, and the run that resumes from the file writes that trial again."""
+    path = Path(path)
+    return _parse(path, path.read_text(encoding="utf-8"), cut_tail_ok)[0]
+
+
+def write_json_lines(path: Path | str, rows: Iterable[dict]) -> None:
     """Replace ``path`` with ``rows``, one JSON object per line, atomically (a temporary file renamed over
     it): a resumed run rewrites its records without a cut last line, and a crash mid-write loses nothing."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def resume_json_lines(path: Path | str) -> list[dict]:
+    """The rows a resumed run continues from (``[]`` while ``path`` does not exist).
+
+    A last line cut short by a killed run is dropped with a warning and the file rewritten without it, so
+    what this run appends stays valid JSON lines (that trial runs again). Any other line that is not a
+    JSON object raises ``RecordsError`` naming the file and line; the file is then left as it is."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    rows, cut = _parse(path, text, cut_tail_ok=True)
+    if cut:
+        warnings.warn(f"{path}: dropping an unfinished last record; it will be re-run", stacklevel=2)
+    if cut or (text and not text.endswith("\n")):
+        write_json_lines(path, rows)
+    return rows
+
+
+def append_json_lines(path: Path | str, rows: Iterable[dict]) -> None:
+    """Append ``rows`` to ``path``, a line each, flushed before returning (the parent folder made): what a
+    run writes as its trials land, so that a kill loses at most the line being written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(row) + "\n" for row in rows))
+        fh.flush()

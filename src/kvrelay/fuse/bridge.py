@@ -32,6 +32,23 @@ class TokenBridge:
     sharer_tokenizer: object | None = None  # None: one tokenizer (receiver reads the sharer's tokens)
     receiver_tokenizer: object | None = None
 
+    @classmethod
+    def between(cls, sharer_hash: str, receiver_hash: str, sharer_tokenizer=None, receiver_tokenizer=None,
+                what: str = "this pair") -> TokenBridge:
+        """The bridge for a model pair, by their tokenizer hashes: none when they are equal, else one over
+        both tokenizers (``ValueError`` naming ``what`` when either is missing)."""
+        if sharer_hash == receiver_hash:
+            return cls()
+        if sharer_tokenizer is None or receiver_tokenizer is None:
+            raise ValueError(f"{what} crosses tokenizers: pass both models' tokenizers")
+        return cls(sharer_tokenizer, receiver_tokenizer)
+
+    @classmethod
+    def for_models(cls, sharer_lm, receiver_lm) -> TokenBridge:
+        """``between`` two loaded models (``LoadedModel``: ``identity`` and ``tokenizer``)."""
+        return cls.between(sharer_lm.identity.tokenizer_hash, receiver_lm.identity.tokenizer_hash,
+                           sharer_lm.tokenizer, receiver_lm.tokenizer)
+
     @property
     def same(self) -> bool:
         return self.sharer_tokenizer is None

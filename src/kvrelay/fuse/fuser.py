@@ -149,10 +149,8 @@ class FuserAdapter:
         if config.method != "fuser":
             raise ValueError(f"{folder} holds a {config.method!r} adapter, not a fuser")
         config.check_pair(receiver_lm.identity, where=f"fuser artefact {folder}")
-        same = config.receiver.tokenizer_hash == config.sharer.tokenizer_hash
-        if not same and sharer_tokenizer is None:
-            raise ValueError("this fuser crosses tokenizers: pass the sharer's tokenizer")
-        bridge = TokenBridge() if same else TokenBridge(sharer_tokenizer, receiver_lm.tokenizer)
+        bridge = TokenBridge.between(config.sharer.tokenizer_hash, config.receiver.tokenizer_hash, sharer_tokenizer,
+                                     receiver_lm.tokenizer, what="this fuser")
         return cls(config, tensors, receiver_lm.model, bridge)
 
     def adapt(self, payload: KVPayload, receiver: ModelIdentity) -> KVPayload:

@@ -219,10 +219,8 @@ def load_mapped(folder, method: str, sharer_tokenizer=None, receiver_tokenizer=N
     config, tensors = artefact.load(folder)
     if config.method != method:
         raise ValueError(f"{folder} holds a {config.method!r} adapter, not {method}")
-    same = config.receiver.tokenizer_hash == config.sharer.tokenizer_hash
-    if not same and (sharer_tokenizer is None or receiver_tokenizer is None):
-        raise ValueError("this adapter crosses tokenizers: pass both models' tokenizers")
-    return config, tensors, TokenBridge() if same else TokenBridge(sharer_tokenizer, receiver_tokenizer)
+    return config, tensors, TokenBridge.between(config.sharer.tokenizer_hash, config.receiver.tokenizer_hash,
+                                                sharer_tokenizer, receiver_tokenizer, what="this adapter")
 
 
 def check_source(config: artefact.ArtefactConfig, where: str, payload: KVPayload, receiver: ModelIdentity) -> None:

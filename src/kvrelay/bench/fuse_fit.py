@@ -1,0 +1,236 @@
+"""Fitting the cross-model adapters on the audit's fitting corpora: ``fit_ridge``, ``fit_layers`` and the
+resumable ``train_fuser`` run (``kvrelay fuse fit`` / ``fuse train`` parse their options and call these).
+
+Each writes one artefact folder (``fuse.artefact``) recording what it was fitted on. ``train_fuser`` keeps
+its work under ``work``: the sharer's readings and the receiver's pass (each cached, keyed by the models'
+fingerprints) and a checkpoint at every held-out evaluation, so running it again continues where it
+stopped; the artefact holds the fuser at its lowest held-out loss (``keep="best"``) or the last step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvrelay.agents.agent import Agent
+from kvrelay.audit.tasks.fitting import GEN_SEED, PROBLEM_SOURCES, fitting_problems, fitting_texts
+from kvrelay.fuse import align, artefact, ridge
+from kvrelay.fuse import fuser as F
+from kvrelay.fuse import fuser_train as FT
+from kvrelay.fuse import layers as LY
+from kvrelay.fuse.bridge import TokenBridge
+from kvrelay.fuse.ridge import RidgeAdapter
+from kvrelay.models.loader import clear_model_cache
+from kvrelay.models.prompt import format_for
+
+KEEP = ("best", "last")  # which fuser a training run's artefact holds
+
+
+def _log(_msg: str) -> None:
+    """Progress notes are dropped unless the caller passes ``log``."""
+
+
+def problem_sources(task_ids: list[str]) -> dict[str, int]:
+    """Fitting problems per source dataset, from their ids (``fit-SOURCE/i``), in first-seen order."""
+    return dict(Counter(tid.split("/")[0].removeprefix("fit-") for tid in task_ids))
+
+
+def _readings(sharer, texts: list[str], max_tokens: int) -> list[list[int]]:
+    fmt = format_for(sharer.tokenizer)
+    return [sharer.tokenizer(fmt.user(t), add_special_tokens=False)["input_ids"][:max_tokens] for t in texts]
+
+
+def fit_ridge(r_lm, s_lm, receiver: str, sharer: str, *, texts: int, max_tokens: int, spread: int,
+              out: Path | None = None) -> tuple[Path, ridge.RidgeFit, artefact.ArtefactConfig]:
+    """Closed-form ridge maps on ``texts`` unlabelled texts read by both models; (folder, fit, config)."""
+    corpus = fitting_texts(texts)
+    readings = _readings(s_lm, [t for _, t in corpus], max_tokens)
+    cands = ridge.candidate_layers(r_lm.identity.num_layers, s_lm.identity.num_layers, spread)
+    state = ridge.fit(s_lm, r_lm, readings, cands, bridge=TokenBridge.for_models(s_lm, r_lm),
+                      progress=lambda xs: tqdm(xs, desc=f"fit ridge {receiver} <- {sharer}", unit="text"))
+    training = {"datasets": dict(Counter(src for src, _ in corpus)), "max_tokens": max_tokens,
+                "generated_seed": GEN_SEED, "format": "each text as one ChatML user turn (the sharer's reading)"}
+    config, tensors = ridge.to_artefact(state, (receiver, r_lm.identity), (sharer, s_lm.identity), training)
+    return artefact.save(out or artefact.default_dir(receiver, sharer, "ridge"), config, tensors), state, config
+
+
+@dataclass(frozen=True)
+class LayersFit:
+    folder: Path
+    problems: int  # calibration problems used
+    chosen: tuple[int, ...]  # receiver layers relayed
+    importance: torch.Tensor  # (L_r,) measured attention share per receiver layer
+
+
+def fit_layers(r_lm, s_lm, receiver: str, sharer: str, *, problems: int, max_tokens: int, fraction: float,
+               alpha: float, ridge_dir: Path | None = None, out: Path | None = None) -> LayersFit:
+    """Measure per-layer attention on the ridge-mapped context of ``problems`` calibration problems, choose
+    the layers, save the artefact (``ridge_dir``: the pair's ridge artefact, default the committed one)."""
+    rdir = ridge_dir or artefact.default_dir(receiver, sharer, "ridge")
+    maps = RidgeAdapter.load(rdir, s_lm.tokenizer, r_lm.tokenizer)
+    reader, asker = Agent(s_lm, "sharer"), Agent(r_lm, "receiver")
+    pairs, used = [], []
+    for t in tqdm(fitting_problems(problems * 2), desc=f"sharer reads ({sharer})", unit="task"):
+        if len(pairs) >= problems:
+            break
+        if len(reader.reading_ids(t.context)) > max_tokens:
+            continue
+        pairs.append((reader.read(t.context), asker.prompt_ids(t.prompt)))
+        used.append(t.id)
+    imp = LY.importance(r_lm, maps, pairs, progress=lambda xs: tqdm(xs, desc=f"receiver attends ({receiver})",
+                                                                    unit="task"))
+    prior = LY.gaussian_prior(len(imp))
+    score = LY.scores(imp, alpha, prior)
+    chosen = LY.select(score, LY.n_chosen(fraction, len(imp)))
+    calibration = {"datasets": problem_sources(used), "sources": list(PROBLEM_SOURCES), "n_problems": len(used),
+                   "max_tokens": max_tokens, "ridge_artefact": rdir.name,
+                   "regime": "shared (the sharer reads the task's context; the receiver's prompt follows it)"}
+    config, tensors = LY.to_artefact(maps, chosen, imp, score, prior, alpha, fraction, calibration)
+    folder = artefact.save(out or artefact.default_dir(receiver, sharer, "layers"), config, tensors)
+    return LayersFit(folder, len(used), tuple(chosen), imp)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """``fuse train``'s options (see its ``--help``), validated here."""
+
+    steps: int = 300
+    examples: int = 96
+    held_out: int = 8
+    max_tokens: int = 160
+    rank: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    eval_every: int = 25
+    keep: str = "best"
+
+    def __post_init__(self):
+        if self.keep not in KEEP:
+            raise ValueError(f"keep {self.keep!r}: expected one of {', '.join(KEEP)}")
+        if self.held_out >= self.examples:
+            raise ValueError(f"held_out {self.held_out} leaves no training tasks of {self.examples} examples")
+
+
+@dataclass(frozen=True)
+class Trained:
+    folder: Path  # the artefact
+    n_params: int
+    steps: int  # steps the fuser has been trained
+    kept: str  # "best" or "last"
+    kept_step: int
+    held: dict  # the held-out record of the kept step ({"fused", "receiver", "open"}; {} when none)
+    layers: int  # receiver layers (gates)
+
+
+def default_work(receiver: str, sharer: str) -> Path:
+    return Path("out") / "fuse-train" / f"{receiver}__{sharer}"
+
+
+def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSettings = TrainSettings(), *,
+                work: Path | None = None, out: Path | None = None, log: Callable[[str], None] = _log) -> Trained:
+    """Train a fuser with both models frozen; resumable (calling it again continues from ``work``).
+
+    ``load(name)`` loads a model: the sharer is loaded first, read from and dropped before the receiver is
+    loaded, so the two models never sit in memory together."""
+    cfg = settings
+    work = work or default_work(receiver, sharer)
+    work.mkdir(parents=True, exist_ok=True)
+    tasks = fitting_problems(cfg.examples * 2)  # twice as many: readings over max_tokens are skipped
+    data_path = work / f"sharer_{cfg.examples}_{cfg.max_tokens}.pt"
+    s_lm = load(sharer)
+    s_ident, s_tok = s_lm.identity, s_lm.tokenizer
+    saved = torch.load(data_path, weights_only=False) if data_path.is_file() else None
+    if saved is None or saved["sharer"] != s_ident.fingerprint:  # every sharer layer: the map needs the receiver
+        shared = _shared_readings(s_lm, tasks, set(range(s_ident.num_layers)), cfg.max_tokens, cfg.examples)
+        torch.save({"sharer": s_ident.fingerprint, "shared": shared}, data_path)
+    else:
+        shared = saved["shared"]
+    del s_lm, saved
+    clear_model_cache()
+    gc.collect()
+    r_lm = load(receiver)
+    layer_map = align.depth_proportional(r_lm.identity.num_layers, s_ident.num_layers)
+    kept = [(t, s) for t, s in zip(tasks, shared, strict=False) if s is not None][:cfg.examples]
+    kept_ids = [t.id for t, _ in kept]
+    ckpt = work / f"ckpt_rank{cfg.rank}_seed{cfg.seed}.pt"
+    if FT.checkpoint_step(ckpt) >= cfg.steps:  # nothing left to train: the artefact from the checkpoint
+        net = FT.net_from_checkpoint(ckpt)
+        state = FT.load_checkpoint(ckpt, net)
+        log(f"{ckpt} has {state.step} steps (>= --steps {cfg.steps}): writing its artefact")
+    else:
+        bridge = TokenBridge.between(s_ident.tokenizer_hash, r_lm.identity.tokenizer_hash, s_tok, r_lm.tokenizer)
+        exs = _receiver_examples(r_lm, kept, s_ident, bridge, work / f"receiver_{cfg.examples}_{cfg.max_tokens}.pt")
+        held, train_ex = exs[:cfg.held_out], exs[cfg.held_out:]
+        feat = next(iter(train_ex[0].feats.values())).shape[-1]
+        ident = r_lm.identity
+        net = F.FuserNet(ident.num_layers, feat, ident.num_kv_heads, ident.head_dim, cfg.rank)
+        state = None
+        if ckpt.is_file():
+            state = FT.load_checkpoint(ckpt, net)
+            log(f"resuming {ckpt} at step {state.step}")
+        else:
+            FT.standardise(net, train_ex, layer_map)
+        tc = FT.TrainConfig(steps=cfg.steps, lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every)
+        state = FT.train(net, r_lm.model, ident, layer_map, train_ex, held, tc, state,
+                         progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
+                                                  initial=xs.start, total=cfg.steps),
+                         checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
+        FT.save_checkpoint(ckpt, net, state)
+    last = state.held[-1] if state.held else {}
+    which = "last"
+    if cfg.keep == "best" and state.best is not None:
+        net.load_state_dict(state.best["net"])
+        last = next(h for h in state.held if h["step"] == state.best["step"])
+        which = "best"
+    elif cfg.keep == "best":
+        log("the checkpoint has no best-held-out record (made before it was kept): writing the last step")
+    taus = [r["tau"] for r in state.train]
+    training = {"datasets": problem_sources(kept_ids), "sources": list(PROBLEM_SOURCES),
+                "n_examples": len(kept_ids) - cfg.held_out, "held_out": kept_ids[:cfg.held_out],
+                "max_tokens": cfg.max_tokens, "steps": state.step, "lr": cfg.lr,
+                "kept": f"{which} (step {last.get('step', state.step)})",
+                "seed": cfg.seed, "batch": 1, "tau": [taus[0], taus[-1]] if taus else None,
+                "loss": "answer tokens + end marker",
+                "regime": "shared (both models read the task's context; the receiver answers its prompt)"}
+    metrics = {"held_out_loss": last.get("fused"), "held_out_loss_receiver": last.get("receiver"),
+               "open_layers": last.get("open")}
+    config, tensors = F.to_artefact(net, (receiver, r_lm.identity), (sharer, s_ident), layer_map, training, metrics)
+    folder = artefact.save(out or artefact.default_dir(receiver, sharer, "fuser"), config, tensors)
+    curve = {"train": state.train, "held": state.held, "settings": training}
+    (folder / "loss_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
+    return Trained(folder, net.n_params, state.step, which, last.get("step", state.step), last, len(layer_map))
+
+
+def _receiver_examples(r_lm, kept, s_ident, bridge: TokenBridge, path: Path) -> list:
+    """The receiver's pass over the kept tasks (``fuser_train.receiver_pass``), cached in ``path``."""
+    key = [r_lm.identity.fingerprint, s_ident.fingerprint, [t.id for t, _ in kept]]
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if saved["key"] == key:
+            return saved["examples"]
+    exs = FT.receiver_pass(r_lm, [t for t, _ in kept], [s for _, s in kept], bridge,
+                           progress=lambda xs: tqdm(xs, desc=f"receiver reads ({r_lm.name})", unit="task"))
+    torch.save({"key": key, "examples": exs}, path)
+    return exs
+
+
+def _shared_readings(s_lm, tasks, layers: set[int], max_tokens: int, want: int) -> list:
+    """The sharer's features of task contexts, until ``want`` readings fit ``max_tokens`` (None: skipped)."""
+    out: list = []
+    bar = tqdm(total=want, desc=f"sharer reads ({s_lm.name})", unit="task")
+    for t in tasks:
+        r = FT.sharer_pass(s_lm, [t.context], layers, max_tokens)[0]
+        out.append(r)
+        if r is not None:
+            bar.update(1)
+            if sum(x is not None for x in out) >= want:
+                break
+    bar.close()
+    return out
