@@ -29,23 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvrelay.agents.agent import READER_ROLE, Agent
     from kvrelay.agents.verify import VerifySpec, verify_payload
     from kvrelay.bench import trust
-    from kvrelay.kv import codecs
+    from kvrelay.models.engine import with_engine
     from kvrelay.models.loader import load_model
 
     load_before = os.getloadavg()[0]
     texts = trust.genuine_inputs(args.payloads)
     checks, worst = [], {}
+    base = load_model(args.model)
     for mode in args.engines.split(","):
-        lm = load_model(args.model, engine=mode)
+        lm = base if mode == base.engine else with_engine(base, mode)  # one load: the modes share its weights
         for i, text in enumerate(texts):
-            a = Agent(lm, "producer", role=READER_ROLE)
-            a.round = trust.ROUND
-            p = a.prefill(a.reading_ids(text)[:trust.GENUINE_MAX_TOKENS])
+            p = trust.genuine_payload(lm, text)
             for c in trust.CODECS:
-                q = p if c == "raw" else codecs.decompress(codecs.compress(p, c))
+                q = trust.shipped(p, c)
                 for k in (4, 32):
                     v = verify_payload(lm.model, q, VerifySpec(k=k, seed=i), codec=c)
                     checks.append({"engine": mode, "payload": i, "tokens": p.num_tokens, "codec": c, "k": k,

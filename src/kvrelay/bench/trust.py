@@ -311,6 +311,18 @@ def genuine_inputs(n: int) -> list[str]:
     return [pools[i % len(pools)][i // len(pools)].context for i in range(n)]
 
 
+def genuine_payload(lm, text: str) -> KVPayload:
+    """A producer's payload of ``text`` (the first ``GENUINE_MAX_TOKENS`` of its reading) in ``lm``'s mode."""
+    a = Agent(lm, "producer", role=READER_ROLE)
+    a.round = ROUND
+    return a.prefill(a.reading_ids(text)[:GENUINE_MAX_TOKENS])
+
+
+def shipped(p: KVPayload, codec: str) -> KVPayload:
+    """``p`` as a receiver gets it after travelling under ``codec`` (``raw``: as it is)."""
+    return p if codec == "raw" else codecs.decompress(codecs.compress(p, codec))
+
+
 def corpus_mode(i: int) -> str:
     """The engine mode genuine payload ``i`` is made and checked in: ``ENGINES`` in turn."""
     return ENGINES[i % len(ENGINES)]
@@ -333,14 +345,11 @@ def _false_positives(lm, n: int, k: int, done: dict, finished: Callable[[dict], 
             continue
         lm_e = lm if mode == lm.engine else with_engine(lm, mode)
         for i in mine:
-            a = Agent(lm_e, "producer", role=READER_ROLE)
-            a.round = ROUND
-            p = a.prefill(a.reading_ids(texts[i])[:GENUINE_MAX_TOKENS])
+            p = genuine_payload(lm_e, texts[i])
             row = {"id": f"genuine:{i}", "engine": mode, "set": GENUINE_SETS[i % len(GENUINE_SETS)],
                    "tokens": p.num_tokens, "flagged": [], "error_over_tolerance": {}, "tolerance": {}}
             for c in CODECS:
-                q = p if c == "raw" else codecs.decompress(codecs.compress(p, c))
-                v = verify_payload(lm_e.model, q, VerifySpec(k=k, seed=i), codec=c)
+                v = verify_payload(lm_e.model, shipped(p, c), VerifySpec(k=k, seed=i), codec=c)
                 row["error_over_tolerance"][c] = round(v.max_error / v.tolerance, 6)
                 row["tolerance"][c] = v.tolerance
                 if v.verdict != "ok":
