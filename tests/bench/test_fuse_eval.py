@@ -137,3 +137,19 @@ def test_train_settings_refuse_what_the_cli_refuses():
     with pytest.raises(ValueError, match="leaves no training tasks"):
         TrainSettings(examples=8, held_out=8)
     assert problem_sources(["fit-sciq/0", "fit-boolq/3", "fit-sciq/1"]) == {"sciq": 2, "boolq": 1}
+
+
+def test_ttft_result_reports_medians_their_ratio_and_the_load_of_every_repeat(setup):
+    from statistics import median
+
+    from kvrelay.bench.fuse_eval import ttft_result
+
+    receiver, sharer, adapter, _ = setup
+    readings = iter([0.4, 0.6, 9.0, 0.5])  # before each of 3 repeats, then after: one reading above 2 + 0.5
+    out = ttft_result(receiver, sharer, adapter, "ridge", 64, 3, threads=2, load=lambda: next(readings))
+    assert len(out["text_full_all"]) == len(out["ridge_all"]) == 3
+    assert out["text_full_ttft_s"] == median(out["text_full_all"]) and out["ridge_ttft_s"] == median(out["ridge_all"])
+    assert out["speedup"] == pytest.approx(out["text_full_ttft_s"] / out["ridge_ttft_s"])
+    assert 0 < out["context_tokens"] <= 64 and out["bytes"] > 0 and out["receiver"] == "tiny-mha"
+    assert out["load_average"] == {"load1_before_repeat": [0.4, 0.6, 9.0], "load1_after": 0.5, "status": "loaded",
+                                   "limit": 2.5, "max": 9.0}

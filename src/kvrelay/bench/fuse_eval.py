@@ -42,6 +42,7 @@ from kvrelay.audit.channels import relabelled
 from kvrelay.audit.runner import length_matched
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
+from kvrelay.bench.quiet import load1, load_status
 from kvrelay.core.errors import RecordsError
 from kvrelay.core.jsonl import append_json_lines, read_json_lines, resume_json_lines
 from kvrelay.fuse import artefact
@@ -252,6 +253,37 @@ def synthetic_payload(sharer_lm, tokens: int):
     payload = KVPayload(keys, values, ids_t, torch.arange(len(ids))[None], torch.ones_like(ids_t, dtype=torch.bool),
                         reader.meta())
     return sharer_lm.tokenizer.decode(ids, skip_special_tokens=True), payload
+
+
+TTFT_PROMPT = "Question: What is the access code for the red vault?\nAnswer with the number only."
+
+
+def ttft_result(receiver_lm, sharer_lm, adapter, method: str, tokens: int, repeats: int, threads: int,
+                load: Callable[[], float] = load1) -> dict:
+    """The `fuse ttft` JSON: medians over ``repeats`` of the receiver re-reading a ``tokens``-long record vs
+    reading the sharer's mapped cache, their ratio, the bytes moved, and the 1-minute load before each repeat.
+
+    Keys: receiver, sharer, method, context_tokens, repeats, text_full_ttft_s, ``{method}_ttft_s``, speedup
+    (re-prefill median / mapped median), text_full_all, ``{method}_all``, bytes, load_average
+    ({load1_before_repeat, load1_after, status, limit, max}: ``bench.quiet.load_status``)."""
+    text, payload = synthetic_payload(sharer_lm, tokens)
+    before: list[float] = []
+    text_s: list[float] = []
+    mapped_s: list[float] = []
+    for _ in range(repeats):
+        before.append(round(load(), 2))
+        t, m = time_ttft(receiver_lm, adapter, text, payload, TTFT_PROMPT, 1)
+        text_s += t
+        mapped_s += m
+    after = round(load(), 2)
+    moved = adapter.adapt(payload, receiver_lm.identity).nbytes if method == "layers" else payload.nbytes
+    text_med, mapped_med = statistics.median(text_s), statistics.median(mapped_s)
+    return {"receiver": receiver_lm.name, "sharer": sharer_lm.name, "method": method,
+            "context_tokens": payload.num_tokens, "repeats": repeats, "text_full_ttft_s": text_med,
+            f"{method}_ttft_s": mapped_med, "speedup": text_med / mapped_med, "text_full_all": text_s,
+            f"{method}_all": mapped_s, "bytes": moved, "threads": threads,
+            "load_average": {"load1_before_repeat": before, "load1_after": after,
+                             **load_status([*before, after], threads)}}
 
 
 def time_ttft(receiver_lm, adapter, text: str, payload, prompt: str, repeats: int) -> tuple[list[float], list[float]]:

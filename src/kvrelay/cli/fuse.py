@@ -210,9 +210,9 @@ def ttft(
     The sharer's payload is built with the sharer's real tokens and geometry but random K/V (the
     adapter's cost does not depend on the values), so the sharer's own long prefill is not needed.
     """
-    import statistics
+    import torch
 
-    from kvrelay.bench.fuse_eval import load_adapters, synthetic_payload, time_ttft
+    from kvrelay.bench.fuse_eval import load_adapters, ttft_result
     from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
 
@@ -224,16 +224,9 @@ def ttft(
         raise v.InvalidInput(f"--method {method!r} has no TTFT run", "ridge or layers")
     s_lm, r_lm = load_for_cli(sharer, threads), load_for_cli(receiver, threads)
     adapters = load_adapters(r_lm, s_lm, receiver, sharer, (method,), **{method: artefact_dir})
-    adapter = adapters["adapter" if method == "ridge" else method]
-    text, payload = synthetic_payload(s_lm, tokens)
-    prompt = "Question: What is the access code for the red vault?\nAnswer with the number only."
-    text_s, mapped_s = time_ttft(r_lm, adapter, text, payload, prompt, repeats)
-    moved = adapter.adapt(payload, r_lm.identity).nbytes if method == "layers" else payload.nbytes
-    out = {"receiver": receiver, "sharer": sharer, "method": method, "context_tokens": payload.num_tokens,
-           "repeats": repeats, "text_full_ttft_s": statistics.median(text_s),
-           f"{method}_ttft_s": statistics.median(mapped_s),
-           "speedup": statistics.median(text_s) / statistics.median(mapped_s), "text_full_all": text_s,
-           f"{method}_all": mapped_s, "bytes": moved}
-    console.print(f"{payload.num_tokens} context tokens: re-prefill {out['text_full_ttft_s']:.2f}s, {method} "
-                  f"{out[f'{method}_ttft_s']:.2f}s -> {out['speedup']:.1f}x")
+    out = ttft_result(r_lm, s_lm, adapters["adapter" if method == "ridge" else method], method, tokens, repeats,
+                      threads or torch.get_num_threads())
+    console.print(f"{out['context_tokens']} context tokens: re-prefill {out['text_full_ttft_s']:.2f}s, {method} "
+                  f"{out[f'{method}_ttft_s']:.2f}s -> {out['speedup']:.1f}x "
+                  f"(load {out['load_average']['status']}, max {out['load_average']['max']:.2f})")
     write_json(json_path, out)
