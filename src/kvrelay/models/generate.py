@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvrelay.models.reserve import reserved
+
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
@@ -58,7 +60,8 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
     Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
     ``choose`` maps (B, V) logits to (B,) tokens in place of the argmax (seeded sampling).
     ``on_token`` sees each step's tokens (B,) as soon as they are chosen (streaming servers).
-    Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists).
+    Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists); the
+    cache's room for the decoded tokens is reserved up front (``models.reserve``), so a step writes in place.
     """
     B = first_logits.shape[0]
     done = torch.zeros(B, dtype=torch.bool)
@@ -73,22 +76,23 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
     if mask is not None:  # (B, cached + N): the slots decoding will add are real tokens
         full_mask = torch.cat((mask, torch.ones(B, max(max_new_tokens - 1, 0), dtype=torch.bool)), dim=1)
     n = 0
-    for step in range(max_new_tokens):
-        if step < min_new_tokens and len(stops):
-            logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
-        tok = torch.where(done, pad, logits.argmax(dim=-1) if choose is None else choose(logits))  # (B,)
-        out[:, step] = tok
-        if on_token is not None:
-            on_token(tok)
-        n = step + 1
-        is_stop = torch.isin(tok, stops) & ~done
-        lengths += (~done & ~is_stop).long()
-        done |= is_stop
-        if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        step_mask = None if full_mask is None else full_mask[:, : cached + step + 1]  # (B, cached + step + 1)
-        logits = forward_last(model, tok[:, None], pos, cache, step_mask)
-        pos = pos + 1
+    with reserved(cache, max_new_tokens - 1 if max_new_tokens > 2 else 0):  # room for every token decode appends
+        for step in range(max_new_tokens):
+            if step < min_new_tokens and len(stops):
+                logits = logits.index_fill(1, stops, float("-inf"))  # (B, V)
+            tok = torch.where(done, pad, logits.argmax(dim=-1) if choose is None else choose(logits))  # (B,)
+            out[:, step] = tok
+            if on_token is not None:
+                on_token(tok)
+            n = step + 1
+            is_stop = torch.isin(tok, stops) & ~done
+            lengths += (~done & ~is_stop).long()
+            done |= is_stop
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            step_mask = None if full_mask is None else full_mask[:, : cached + step + 1]  # (B, cached + step + 1)
+            logits = forward_last(model, tok[:, None], pos, cache, step_mask)
+            pos = pos + 1
     mask = None if full_mask is None else full_mask[:, : cached + max(n - 1, 0)]
     return out[:, :n], lengths, mask
 
