@@ -76,3 +76,27 @@ def test_cli_default_strategies_are_the_library_list():
     cmd = get_command(app).commands["bench"].commands["serve"]
     default = next(p.default for p in cmd.params if p.name == "strategies")
     assert tuple(default.split(",")) == STRATEGIES
+
+
+def test_a_peer_server_gets_only_standard_openai_fields(tmp_path):
+    """transformers serve refuses unknown request fields (422): the peer strategy must send none of kvrelay's."""
+    import httpx
+    from transformers import LlamaConfig
+
+    from kvrelay.audit.tasks import generate
+    from kvrelay.bench.serve import Route, TransformersServe, run_one
+    from tests.models.tiny_model_folders import WORDS, save_tiny_model, save_tiny_tokenizer
+
+    folder = tmp_path / "tiny-llama"
+    save_tiny_model(folder, LlamaConfig(vocab_size=len(WORDS) + 2, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=8, max_position_embeddings=4096))
+    save_tiny_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    with pytest.raises(ValueError, match="extensions"):
+        Route("http://x", lambda: "m", True, extensions=False)
+    task = generate(1, 0, doc_tokens=96)[0]
+    with TransformersServe(folder, 1) as url, httpx.Client(timeout=120) as client:
+        rec = run_one(client, Route(url, lambda: str(folder), False, extensions=False), task, 3)
+    assert len(rec["steps"]) == 3 and all(s["prompt_tokens"] for s in rec["steps"])
+    # each agent re-sent the whole conversation: the prompts grow
+    assert rec["steps"][0]["prompt_tokens"] < rec["steps"][1]["prompt_tokens"] < rec["steps"][2]["prompt_tokens"]

@@ -83,12 +83,20 @@ class ServeBenchConfig:
 # -- one workflow over HTTP ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where a strategy's requests go: base URL, the model per request, and whether handles are used."""
+    """Where a strategy's requests go: base URL, the model per request, and whether handles are used.
+
+    ``extensions`` false: the server is another OpenAI-compatible one (a peer), so a request carries
+    only standard fields — a strict server refuses kvrelay's ``kv_*`` fields (transformers serve: 422)."""
 
     url: str
     model: Callable[[], str]
     relay: bool
     slo_s: float | None = None
+    extensions: bool = True
+
+    def __post_init__(self):
+        if self.relay and not self.extensions:
+            raise ValueError("relaying handles needs kvrelay's request fields (extensions=True)")
 
 
 def _post(client, url: str, body: dict) -> dict:
@@ -116,7 +124,8 @@ def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
                 body["kv_slo_s"] = route.slo_s
         else:
             body["messages"] = history + [own]
-            body["kv_handle"] = False
+            if route.extensions:
+                body["kv_handle"] = False  # store no cache: nothing will continue from it
         t = time.perf_counter()
         out = _post(client, route.url, body)
         answer = out["choices"][0]["message"]["content"] or ""
@@ -279,8 +288,8 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
             try:
                 with TransformersServe(folder, config.threads) as peer_url:
                     before = load1()
-                    records, wall = run_strategy(Route(peer_url, lambda: str(folder), False), tasks, config.clients,
-                                                 config.max_tokens)
+                    peer = Route(peer_url, lambda: str(folder), False, extensions=False)
+                    records, wall = run_strategy(peer, tasks, config.clients, config.max_tokens)
                     rows["transformers_serve"] = summarize("transformers_serve", records, wall, (before, load1())) | \
                         {"records": records, "model": large}
             except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
