@@ -20,6 +20,8 @@ from kvrelay.cli import app
 
 SMOL = "smollm2-135m"
 BAD_TOML = 'name = "x"\n[[agents]]\nname = "a"\nrole = "r"\nprompt = "p"\nmax_new_tokens = 0\n'
+AUTO_TOML = ('name = "x"\n[[agents]]\nname = "a"\nrole = "r"\nprompt = "p"\n[[agents]]\nname = "b"\nrole = "r"\n'
+             'prompt = "p"\n[[edges]]\nsrc = "a"\ndst = "b"\nchannel = "auto"\n')
 
 # (id, argv after `kvrelay`, a piece of the error line)
 MISTAKES = [
@@ -56,6 +58,8 @@ MISTAKES = [
     ("pipeline-toml-missing", ["bench", "pipeline", "--model", SMOL, "--workflow", "mine.toml"], "no such file"),
     ("pipeline-toml-invalid", ["bench", "pipeline", "--model", SMOL, "--workflow", "bad.toml"],
      "is not a valid workflow"),
+    ("pipeline-toml-auto", ["bench", "pipeline", "--model", SMOL, "--workflow", "auto.toml"],
+     'has channel "auto" edges (a->b)'),
     ("pipeline-layout-unknown", ["bench", "pipeline", "--model", SMOL, "--layout", "swap"],
      "expected one of continue, replace"),
     ("pipeline-backend-typo", ["bench", "pipeline", "--model", SMOL, "--backend", "rai"], "did you mean 'ray'?"),
@@ -103,6 +107,7 @@ def user_folder(tmp_path):
     (tmp_path / "empty.md").write_text("  \n")
     (tmp_path / "adir").mkdir()
     (tmp_path / "bad.toml").write_text(BAD_TOML)
+    (tmp_path / "auto.toml").write_text(AUTO_TOML)
     return tmp_path
 
 

@@ -203,7 +203,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     except (ValueError, TypeError) as err:
         raise v.InvalidInput(f"--workflow {workflow}: {v.one_line(err)}", "a workflow TOML (docs/workflows.md)") \
             from None
-    parse_edge(wf, edge)
+    v.no_auto_edges(wf, workflow, allowed=parse_edge(wf, edge))  # the audited edge itself is set to each arm
     rows = load_inputs(v.existing_file(inputs, "--inputs", "a JSONL file"))
     scorer(score)
     v.choice(regime, "--regime", REGIMES)

@@ -41,10 +41,12 @@ def check_workflow(workflow: str):
         return WORKLOADS[workflow][0]()
     path = v.existing_file(workflow, "--workflow", "a workflow TOML file (see docs/workflows.md)")
     try:
-        return Workflow.load(path)
+        wf = Workflow.load(path)
     except (ValueError, TypeError, KeyError) as err:  # tomllib's errors are ValueErrors
         raise v.InvalidInput(f"--workflow {workflow!r} is not a valid workflow ({v.one_line(err)})",
                              "the TOML format in docs/workflows.md") from None
+    v.no_auto_edges(wf, workflow)
+    return wf
 
 
 def check_fits(ref, wf, context_tokens: int, max_new_tokens: int | None) -> None:

@@ -323,3 +323,13 @@ def fits(ref: ModelRef, tokens: int, flag: str, reserve: int = 0) -> int:
         raise InvalidInput(f"{flag} {tokens} does not fit {ref.name} ({ref.max_positions:,} positions, "
                            f"{reserve} kept for prompts and answers)", f"at most {room:,}")
     return tokens
+
+
+def no_auto_edges(wf, workflow: str, allowed: tuple[str, str] | None = None) -> None:
+    """``channel = "auto"`` edges are decided by a policy the library is given (``workflows.auto``); no
+    command builds one yet, so a file with one fails here, before any model loads."""
+    auto = [f"{e.src}->{e.dst}" for e in wf.edges if e.channel == "auto" and (e.src, e.dst) != allowed]
+    if auto:
+        raise InvalidInput(f"--workflow {workflow!r} has channel \"auto\" edges ({', '.join(auto)})",
+                           "kv or text edges here: an auto edge runs in the library, run_workflow(..., "
+                           "policy=AutoPolicy(...)) (docs/workflows.md)")

@@ -13,16 +13,20 @@ in where an agent lives and what a payload handle is:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from kvrelay.agents.agent import Agent
+from kvrelay.agents.probe import can_cut, relay_gain
 from kvrelay.agents.verify import VerifySpec
-from kvrelay.core.errors import StoreError
+from kvrelay.core.errors import IncompatiblePayload, StoreError
 from kvrelay.kv import codecs
+from kvrelay.kv.compat import check_meta
+from kvrelay.kv.payload import KVPayload, PayloadMeta
 from kvrelay.kv.sign import Keyring
-from kvrelay.transport.stores import open_store
+from kvrelay.transport.stores import get_payload, open_store
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut, store_turn, take_turn
 
@@ -64,10 +68,18 @@ class InProcessExecutor:
     ``codec`` None: ``kv.codecs.WIRE_CODEC`` through a store, ``raw`` without one. ``keys`` (a
     ``kv.sign.Keyring``, then a private ``memory://`` store when none is named): each agent signs
     what it puts with its key and refuses what is not signed by one of them.
+
+    ``models`` puts named agents on other loaded models (same tokenizer: edges pass token ids); a receiver
+    refuses a cache of another model like any incompatible payload. For ``auto`` edges (``workflows.auto``)
+    it tells whether a pair is compatible, prices prompts in tokens, relays a cache under a per-edge codec
+    (without a store: compressed and decompressed in process, timed as encode and decode) and runs the
+    runtime switch's probe (``agents.probe.relay_gain``) on the receiver's model.
     """
 
-    def __init__(self, lm, *, store: str | None = None, codec: str | None = None, keys: Keyring | None = None):
+    def __init__(self, lm, *, store: str | None = None, codec: str | None = None, keys: Keyring | None = None,
+                 models: Mapping[str, Any] | None = None):
         self.lm = lm
+        self.models = dict(models or {})
         if codec is None:
             codec = codecs.WIRE_CODEC if store is not None else "raw"
         self.codec = codecs.parse(codec).name
@@ -81,7 +93,10 @@ class InProcessExecutor:
 
     def start(self, wf: Workflow) -> None:
         # Agents are set up before the clock starts: a deployed pipeline builds them once.
-        self.agents = {a.name: Agent(self.lm, a.name, a.role, max_new_tokens=a.max_new_tokens,
+        unknown = set(self.models) - {a.name for a in wf.agents}
+        if unknown:
+            raise ValueError(f"models for agents {sorted(unknown)} that workflow {wf.name!r} does not have")
+        self.agents = {a.name: Agent(self.models.get(a.name, self.lm), a.name, a.role, max_new_tokens=a.max_new_tokens,
                                      verify=_verify(wf, a.name, self.codec)) for a in wf.agents}
         self.run_id = secrets.token_hex(6)
 
@@ -90,8 +105,23 @@ class InProcessExecutor:
         return a.encode(a.fmt.user(context))
 
     def turn(self, agent: str, prompt: str, base: Sequence[int], cache: Any, *, layout: str, max_new_tokens: int,
-             min_new_tokens: int, want_payload: bool, partial: float | None = None) -> TurnOut:
+             min_new_tokens: int, want_payload: bool, partial: float | None = None, codec: str | None = None) -> TurnOut:
         a = self.agents[agent]
+        if codec is not None and self.store is not None and codecs.parse(codec).name != self.codec:
+            raise ValueError(f"an auto edge's codec {codec!r} through a store that carries {self.codec!r}")
+        if codec is not None and self.store is None and codecs.parse(codec).name != "raw":
+            # an auto edge's codec, relayed in process: compressed and decompressed here
+            if cache is None:
+                raise ValueError("a per-edge codec needs a relayed payload")
+            t0 = time.perf_counter()
+            packed = codecs.parse(codec).compress(cache)
+            t1 = time.perf_counter()
+            cache = packed.decompress()
+            t2 = time.perf_counter()
+            out = take_turn(a, prompt, base, cache, layout, max_new_tokens=max_new_tokens,
+                            min_new_tokens=min_new_tokens, want_payload=want_payload, relay_bytes=packed.nbytes)
+            return replace(out, relay_encode_s=out.relay_encode_s + (t1 - t0),
+                           relay_decode_s=out.relay_decode_s + (t2 - t1))
         if partial is not None:  # a ``partial`` edge: the receiver's prompt selects the positions it gets
             if self.store is not None or cache is None:
                 raise ValueError("a partial edge runs in process, without a store, on a relayed payload")
@@ -113,6 +143,37 @@ class InProcessExecutor:
                 self.store.delete(handle)
             except StoreError:  # an unreachable store does not stop the run: the key is kept for later
                 self.unreleased.append(handle)
+
+    # -- what auto edges ask (workflows.auto) ------------------------------------------------------
+    def compatible(self, src: str, dst: str) -> bool:
+        """Whether ``dst`` can prove ``src``'s caches its own kind: the check its receiver applies."""
+        try:
+            check_meta(PayloadMeta.from_identity(self.agents[src].identity), self.agents[dst].identity, complete=True)
+        except IncompatiblePayload:
+            return False
+        return True
+
+    def prompt_tokens(self, agent: str, prompt: str) -> int:
+        return len(self.agents[agent].prompt_ids(prompt))
+
+    def engine(self, agent: str) -> str:
+        return self.agents[agent].identity.engine
+
+    def edge_codecs(self, wanted: Sequence[str]) -> tuple[str, ...]:
+        """The codecs an auto edge may pick: any of ``wanted`` without a store; with one, the store's own codec
+        (named as in ``wanted`` when it is there: ``int8`` for a store carrying ``int8-g32``)."""
+        if self.store is None:
+            return tuple(wanted)
+        return tuple(c for c in wanted if codecs.parse(c).name == self.codec)[:1] or (self.codec,)
+
+    def probe(self, agent: str, handle: Any, text_ids: Sequence[int], *, upto: int) -> float | None:
+        """``agents.probe.relay_gain`` of ``text_ids`` read by ``agent`` after the first ``upto`` tokens of the
+        payload behind ``handle``, versus without it; None when the payload cannot be cut there (a
+        sliding-window layer already dropped its first tokens)."""
+        a = self.agents[agent]
+        p = handle if isinstance(handle, KVPayload) else get_payload(self.store, handle, expect=a.identity,
+                                                                     keys=self.keys)
+        return relay_gain(a, p, text_ids, upto=upto) if can_cut(p, upto) else None
 
     def close(self) -> None:
         self.agents = {}

@@ -16,6 +16,11 @@ The *channel* of an edge says only how those tokens arrive:
   turn. Single-predecessor edges only: several whole-turn caches cannot be one prefix.
 * ``kv+text`` — fan-in edges: the cache the senders started from (their shared context) is
   relayed, and the senders' answers arrive as text inside the receiver's turn.
+* ``auto``    — single-predecessor edges: a policy decides per run (``workflows.auto``: the cost and
+  value models of ``kvrelay.policy``, gated by a runtime switch) whether the sender's turn arrives as
+  its cache (``kv``, with a codec), as tokens (``text``), or not at all (``none``: the receiver reads
+  only its own turn, for a receiver whose prompt already holds what the sender read). The decision and
+  its reason are in the trace (``AgentRecord.decision``).
 
 ``on_refused`` says what happens when the receiver refuses the relayed payload (a typed
 ``PayloadError``: corrupt, incompatible, stale, a missing round, expired, unsigned...) or the store
@@ -35,7 +40,8 @@ from pathlib import Path
 from kvrelay.agents.verify import VerifySpec
 from kvrelay.core.errors import InvalidWorkflow
 
-CHANNELS = ("text", "kv", "kv+text")
+CHANNELS = ("text", "kv", "kv+text", "auto")
+RELAYING = ("kv", "auto")  # single-edge channels that may hand the sender's whole-turn cache on
 LAYOUTS = ("continue", "replace")
 ON_REFUSED = ("stop", "text")  # what a receiver does when it refuses an edge's relayed payload
 
@@ -123,10 +129,15 @@ class Workflow:
             if len(ins) == 1 and ins[0].channel == "kv+text":
                 raise ValueError(f"edge {ins[0].src}->{dst}: kv+text is for fan-in; a single edge is kv or text")
             if len(ins) > 1:
-                kv = [e for e in ins if e.channel == "kv"]
+                kv = [e for e in ins if e.channel in RELAYING]
                 if kv:
                     raise ValueError(f"edge {kv[0].src}->{dst}: several whole-turn caches cannot form one "
-                                     "prefix; use kv+text (shared context as cache, answers as text)")
+                                     f"prefix ({kv[0].channel}); use kv+text (shared context as cache, answers "
+                                     "as text)")
+                auto = [p for e in ins for p in preds[e.src] if p.channel == "auto"]
+                if auto:
+                    raise ValueError(f"edge {auto[0].src}->{auto[0].dst}: a fan-in sender's input cannot be auto "
+                                     f"(the senders of {dst} must read one context); make it kv or text")
                 grand = {tuple(sorted(p.src for p in preds[e.src])) for e in ins}
                 if len(grand) != 1 or len(next(iter(grand))) > 1:
                     raise ValueError(f"{dst}: fan-in senders must share one predecessor (or all be roots); "
@@ -136,7 +147,7 @@ class Workflow:
                 continue
             if self.layout != "continue":
                 raise ValueError(f"edge {e.src}->{e.dst}: a partial edge needs layout = \"continue\" (positions kept)")
-            onward = [g for g in self.edges if g.src == e.dst and (g.channel == "kv" or any(
+            onward = [g for g in self.edges if g.src == e.dst and (g.channel in RELAYING or any(
                 h.src == g.dst and h.channel == "kv+text" for h in self.edges))]
             if onward:
                 raise ValueError(f"edge {e.src}->{e.dst}: the receiver of a partial edge cannot pass its cache on "
