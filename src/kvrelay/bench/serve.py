@@ -290,6 +290,9 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
                     before = load1()
                     peer = Route(peer_url, lambda: str(folder), False, extensions=False)
                     records, wall = run_strategy(peer, tasks, config.clients, config.max_tokens)
+                    for r in records:  # the peer echoes the folder it loaded (a local path): name the model
+                        for st in r["steps"]:
+                            st["model"] = large
                     rows["transformers_serve"] = summarize("transformers_serve", records, wall, (before, load1())) | \
                         {"records": records, "model": large}
             except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
