@@ -12,7 +12,7 @@ from kvrelay.policy.decide import Decision, Request, Slo, decide
 from kvrelay.policy.features import Features
 from kvrelay.policy.value import Observation, ValueModel
 
-from .conftest import synthetic
+from .synthetic import synthetic
 
 PRIVATE, SHARED = Features(0.05, 1000), Features(0.95, 1000)
 FAST, SLOW = Link(10_000.0), Link(1.0)

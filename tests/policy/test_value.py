@@ -6,7 +6,7 @@ from kvrelay.core.errors import InvalidInput
 from kvrelay.policy.features import Features, channel_of_arm, overlap
 from kvrelay.policy.value import Observation, ValueModel, observations_from_records
 
-from .conftest import synthetic
+from .synthetic import synthetic
 
 PRIVATE, SHARED = Features(0.05, 500), Features(0.95, 500)
 

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from kvrelay.core.errors import InvalidWorkflow
-from kvrelay.policy.cost import CodecCost, CostProfile, Link, StoreCost
-from kvrelay.policy.features import Features
+from kvrelay.policy.cost import Link
 from kvrelay.policy.switch import RelaySwitch
 from kvrelay.policy.value import Observation, ValueModel
 from kvrelay.workflows.auto import AutoPolicy
 from kvrelay.workflows.executors import InProcessExecutor
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.spec import AgentSpec, Edge, Workflow
+from tests.policy.synthetic import synthetic, synthetic_profile
 
 CONTEXT = ("the key of the blue vault is four and the bug is in line seven of the parser "
            "the report says the fix belongs in the header module ") * 3
@@ -35,29 +34,11 @@ PRIVATE = AgentSpec("fixer", "fix the code", "where does it go", 6, 3)
 SHARED = AgentSpec("fixer", "fix the code", f"{CONTEXT} read the report what is the bug; where does it go", 6, 3)
 
 
-def profile() -> CostProfile:
-    return CostProfile(
-        model="synthetic-0.5b", prefill_fixed_s=0.5, prefill_s_per_token=0.006, decode_s_per_token=0.03,
-        raw_bytes_per_token=24_576.0, text_bytes_per_token=4.5,
-        codecs=(CodecCost("raw", 1.0, 2e-10, 3e-10, lossless=True), CodecCost("int8-g32", 3.5, 3e-9, 1e-9)),
-        stores=(StoreCost("memory", 1e-10, 1e-10),))
-
-
 def observations(n: int = 60) -> list[Observation]:
     """Private tasks (overlap < 0.2): none fails, kv / kv+int8 / text_full succeed 80%; shared tasks
     (overlap > 0.8): every channel 50%, the same answer per task."""
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(n):
-        private = i % 2 == 0
-        f = Features(float(rng.uniform(0.0, 0.2)) if private else float(rng.uniform(0.8, 1.0)),
-                     int(rng.integers(20, 2000)))
-        tid, ts, j = f"t{i}", "private" if private else "shared", i // 2
-        hit = float(j % 5 != 0) if private else float(j % 2 == 0)
-        for key in ("kv", "text_full", "kv+int8"):
-            out.append(Observation(tid, ts, key, f, hit))
-        out.append(Observation(tid, ts, "none", f, 0.0 if private else hit))
-    return out
+    return synthetic(0, n, "t", private_overlap=(0.0, 0.2), shared_overlap=(0.8, 1.0), tokens=(20, 2000),
+                     labels=("private", "shared"))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +47,7 @@ def value() -> ValueModel:
 
 
 def policy(value, **kw) -> AutoPolicy:
-    return AutoPolicy(value, profile(), **kw)
+    return AutoPolicy(value, synthetic_profile(), **kw)
 
 
 def pair(receiver: AgentSpec, channel: str = "auto", layout: str = "continue") -> Workflow:
@@ -108,7 +89,7 @@ def test_a_receiver_that_holds_the_context_routes_text_when_none_fails_and_kv_is
     obs = [o if o.key != "none" else Observation(o.task_id, o.task_set, "none", o.features, 0.0)
            for o in observations()]
     lm = tiny_by_arch["qwen2"]
-    pol = AutoPolicy(ValueModel.fit(obs, n_boot=100, seed=0), profile(), link=Link(mbps=0.01))
+    pol = AutoPolicy(ValueModel.fit(obs, n_boot=100, seed=0), synthetic_profile(), link=Link(mbps=0.01))
     auto = run_workflow(lm, pair(SHARED), CONTEXT, policy=pol)
     text = run_workflow(lm, pair(SHARED), CONTEXT, mode="text")
     r, d = auto.agents[1], auto.agents[1].decision
