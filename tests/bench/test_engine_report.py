@@ -109,3 +109,36 @@ def test_markdown_shows_both_engines_and_every_target(recorded):
     md = markdown(res)
     assert "| llama.cpp |" in md and "| kvrelay |" in md and "`kvrelay bench engine`" in md
     assert all(t["target"] in md for t in res["targets"])
+
+
+def test_a_vllm_row_is_reported_and_judges_the_cold_text_ttft(recorded):
+    """``data/engine_vllm_side.json``: a real ``bench.peers.vllm.VllmPeer`` check and trial (its ``recorded``
+    field says how), added to the recorded run as ``bench_engine(..., vllm=...)`` adds it."""
+    raw = copy.deepcopy(recorded)
+    side = json.loads((RECORDED.parent / "engine_vllm_side.json").read_text())
+    raw["engines"].append(side)
+    res = report(raw, model="m", command="c")
+    row = next(r for r in res["rows"] if r["engine"] == "vllm")
+    assert set(ROW_FIELDS) <= set(row) and row["relay_identical"] and row["relay_bytes"] == 0
+    assert row["text_ttft_s"] == pytest.approx(side["trials"][0]["text_ttft_s"])
+    assert row["decode_tokens_per_s"] == pytest.approx(7 / side["trials"][0]["decode_s"])
+    best = max((r for r in res["rows"] if r["engine"] == "kvrelay"), key=lambda r: r["decode_tokens_per_s"])
+    t = {x["target"]: x for x in res["targets"]}["cold text TTFT no slower than vLLM's CPU build (bf16)"]
+    assert t["value"] == pytest.approx(row["text_ttft_s"] / best["text_ttft_s"]) and t["met"] == (t["value"] >= 1.0)
+    assert "| vllm | bf16 |" in markdown(res)
+    # the llama.cpp targets stand as they were
+    assert [x for x in res["targets"] if "vLLM" not in x["target"]] == report(recorded, model="m", command="c")["targets"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_decode_bytes_count_the_head_once_and_no_untied_embedding(tied):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvrelay.bench.engine import bf16_weight_bytes
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied))
+    layers = 2 * (16 * 16 * 2 + 16 * 8 * 2 + 3 * 16 * 32 + 2 * 16)  # q, o; k, v; MLP; two norms
+    assert bf16_weight_bytes(m) == 2 * (layers + 16 + 100 * 16)  # + final norm + the head (the tied embedding)

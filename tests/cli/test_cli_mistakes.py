@@ -146,6 +146,13 @@ def test_mistake_in_the_kvrelay_script(user_folder, argv, expect):
     assert sorted(p.name for p in user_folder.iterdir()) == before
 
 
+def test_vllm_asked_for_without_its_environment_stops_before_any_model_loads(user_folder, monkeypatch):
+    monkeypatch.chdir(user_folder)
+    monkeypatch.setenv("KVRELAY_VLLM_PYTHON", str(user_folder / "no-vllm" / "bin" / "python"))
+    res = CliRunner().invoke(app, ["bench", "engine", "--model", SMOL, "--peer", "none", "--vllm"])
+    check_one_error(res.exit_code, res.stderr, "make peers-vllm")
+
+
 def test_debug_shows_the_traceback(user_folder):
     proc = subprocess.run([*kvrelay_argv(), "--debug", "bench", "relay", "--repeats", "0"], cwd=user_folder,
                           capture_output=True, text=True, timeout=120)

@@ -186,6 +186,43 @@ class PeerSide:
                 "pipeline": pipelines}
 
 
+class VllmSide:
+    """vLLM's CPU build (bf16, automatic prefix caching) on the model's folder, over HTTP on loopback."""
+
+    def __init__(self, lm, folder: Path, name: str, inputs: Inputs, threads: int):
+        from kvrelay.bench.peers.vllm import VllmPeer
+
+        self.inputs = inputs
+        self.peer = VllmPeer(folder, name, threads).__enter__()
+        self.weight_bytes = bf16_weight_bytes(lm.model)
+
+    def close(self) -> None:
+        self.peer.__exit__(None, None, None)
+
+    def check(self) -> dict:
+        i = self.inputs
+        return self.peer.check(i.context_ids, i.question_ids, i.new_tokens)
+
+    def trial(self) -> dict:
+        i = self.inputs
+        r = self.peer.trial(i.context_ids, i.question_ids, i.new_tokens)
+        r.pop("answer_ids")
+        return r
+
+    def raw(self, trials: list[dict], pipelines: dict[str, list[dict]], check: dict) -> dict:
+        return {"engine": "vllm", "mode": "bf16", "version": self.peer.version, "ready_s": self.peer.ready_s,
+                "relay_bytes": 0, "weight_bytes": self.weight_bytes, "check": check, "trials": trials,
+                "pipeline": pipelines}
+
+
+def bf16_weight_bytes(model) -> int:
+    """Bytes a one-token forward reads from bf16 weights: every parameter once, the embedding only where it
+    is also the head (tied), since a token reads one row of it otherwise."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # shared parameters counted once
+    return 2 * (total - (emb.numel() if emb is not head else 0))
+
+
 def gguf_file_type(path) -> str:
     """The GGUF's declared quantization mix (``general.file_type``), e.g. ``Q4_K_M``."""
     from gguf import GGUFReader, LlamaFileType
@@ -201,8 +238,11 @@ def gguf_file_type(path) -> str:
 def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new_tokens: int = 64,
                  pipeline_tokens: int = 64, codec: str = "fp16", peer_gguf=None, pipeline: bool = True,
                  progress=None, array_bytes: int = BANDWIDTH_BYTES, pipeline_modes=None, allow_load: bool = False,
-                 load_reader: LoadReader = load1) -> dict:
+                 load_reader: LoadReader = load1, vllm: tuple[Path, str] | None = None) -> dict:
     """Measure every kvrelay mode in ``lms`` (mode -> loaded model) and, with ``peer_gguf``, llama.cpp.
+
+    ``vllm``: (model folder, model name) — also vLLM's CPU build on the same token ids (``bench.peers.vllm``;
+    its "relay" is its prefix cache holding the sender's context, no pipeline).
 
     ``pipeline_modes``: the kvrelay modes that also run the pipeline (default: every mode).
     ``load_reader``: the 1-minute load now (read before each timed repeat); a reading above the threads
@@ -227,37 +267,45 @@ def bench_engine(lms: dict, *, context_tokens: int = 2048, repeats: int = 3, new
     say("measuring the machine's limits")
     limits = measure_limits(geometry, len(inputs.context_ids), array_bytes=array_bytes)
     sides: dict[str, object] = {}
-    for mode, lm in lms.items():
-        say(f"kvrelay {mode}: sender prefill, payload")
-        sides[f"kvrelay:{mode}"] = KvrelaySide(lm, mode, inputs, codec)
-    if peer_gguf is not None:
-        say("llama.cpp: loading the GGUF, sender prefill, state")
-        sides["llama.cpp"] = PeerSide(first, peer_gguf, inputs, threads)
-    checks = {}
-    for key, side in sides.items():
-        say(f"{key}: text and relay answers (untimed)")
-        checks[key] = side.check()
-    trials: dict[str, list[dict]] = {k: [] for k in sides}
-    loads = []
-    keys = list(sides)
-    for r in range(repeats):
-        loads.append(reading(f"before repeat {r + 1}"))
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            trials[key].append(sides[key].trial())
-            say(f"repeat {r + 1}/{repeats} {key}: text {trials[key][-1]['text_ttft_s']:.2f}s "
-                f"relay {trials[key][-1]['relay_ttft_s']:.2f}s")
-    modes = list(lms) if pipeline_modes is None else list(pipeline_modes)
-    unknown = sorted(set(modes) - set(lms))
-    if unknown:
-        raise ValueError(f"pipeline modes {unknown} are not among the measured modes {list(lms)}")
-    pipe_lms = {m: lms[m] for m in modes}
-    pipes = _pipelines(first, pipe_lms, sides, context_tokens, pipeline_tokens, repeats, say, reading) \
-        if pipeline else {}
-    raws = []
-    for key, side in sides.items():
-        mine = pipes.get(key, {})
-        raws.append(side.raw(trials[key], mine.get("kv", []), checks[key]) if key.startswith("kvrelay")
-                    else side.raw(trials[key], mine, checks[key]))
+    try:
+        for mode, lm in lms.items():
+            say(f"kvrelay {mode}: sender prefill, payload")
+            sides[f"kvrelay:{mode}"] = KvrelaySide(lm, mode, inputs, codec)
+        if peer_gguf is not None:
+            say("llama.cpp: loading the GGUF, sender prefill, state")
+            sides["llama.cpp"] = PeerSide(first, peer_gguf, inputs, threads)
+        if vllm is not None:
+            say("vllm: starting its server (loading and warming up takes minutes)")
+            sides["vllm"] = VllmSide(first, *vllm, inputs, threads)
+        checks = {}
+        for key, side in sides.items():
+            say(f"{key}: text and relay answers (untimed)")
+            checks[key] = side.check()
+        trials: dict[str, list[dict]] = {k: [] for k in sides}
+        loads = []
+        keys = list(sides)
+        for r in range(repeats):
+            loads.append(reading(f"before repeat {r + 1}"))
+            for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+                trials[key].append(sides[key].trial())
+                say(f"repeat {r + 1}/{repeats} {key}: text {trials[key][-1]['text_ttft_s']:.2f}s "
+                    f"relay {trials[key][-1]['relay_ttft_s']:.2f}s")
+        modes = list(lms) if pipeline_modes is None else list(pipeline_modes)
+        unknown = sorted(set(modes) - set(lms))
+        if unknown:
+            raise ValueError(f"pipeline modes {unknown} are not among the measured modes {list(lms)}")
+        pipe_lms = {m: lms[m] for m in modes}
+        pipes = _pipelines(first, pipe_lms, sides, context_tokens, pipeline_tokens, repeats, say, reading) \
+            if pipeline else {}
+        raws = []
+        for key, side in sides.items():
+            mine = pipes.get(key, {})
+            raws.append(side.raw(trials[key], mine.get("kv", []), checks[key]) if key.startswith("kvrelay")
+                        else side.raw(trials[key], mine, checks[key]))
+    finally:
+        for side in sides.values():
+            if isinstance(side, VllmSide):
+                side.close()
     return {"limits": limits.to_dict(), "geometry": asdict(geometry),
             "context_tokens": len(inputs.context_ids), "question_tokens": len(inputs.question_ids),
             "new_tokens": new_tokens, "pipeline_tokens": pipeline_tokens, "pipeline_workload": PIPELINE_WORKLOAD,

@@ -100,7 +100,7 @@ def mode_label(row: dict) -> str:
 
 def targets(rows: list[dict], pipes: list[dict], amx: bool = False) -> list[dict]:
     """The goals of kvrelay's default mode (``auto``, when measured; else the fastest-decoding mode) against
-    llama.cpp, each with its measured value. ``amx``: the CPU has AMX tiles (prefill must then be 3x ahead)."""
+    llama.cpp (and vLLM's cold TTFT, when it ran), each with its measured value. ``amx``: the CPU has AMX tiles (prefill must then be 3x ahead)."""
     ours = [r for r in rows if r["engine"] == "kvrelay"]
     peer = next((r for r in rows if r["engine"] == "llama.cpp"), None)
     if not ours:
@@ -111,6 +111,12 @@ def targets(rows: list[dict], pipes: list[dict], amx: bool = False) -> list[dict
     out = [_target("decode at >= 0.7 of the bandwidth limit", best["decode_fraction_of_limit"], 0.7, "higher",
                    f"kvrelay {mode_label(best)}: {best['decode_tokens_per_s']:.2f} tok/s of "
                    f"{best['decode_limit_tokens_per_s']:.2f}")]
+    vllm = next((r for r in rows if r["engine"] == "vllm"), None)
+    if vllm is not None:
+        out.append(_target("cold text TTFT no slower than vLLM's CPU build (bf16)",
+                           vllm["text_ttft_s"] / best["text_ttft_s"], 1.0, "higher",
+                           f"{best['text_ttft_s']:.2f} vs {vllm['text_ttft_s']:.2f} s for "
+                           f"{best['text_prefill_tokens']} tokens"))
     if peer is None:
         return out
     out += [

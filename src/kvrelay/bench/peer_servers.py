@@ -3,7 +3,7 @@
 * ``transformers_serve(folder)`` — ``transformers serve --continuous-batching`` (shipped with the pinned
   transformers), fp32 on the CPU;
 * ``vllm_serve(folder)`` — vLLM's CPU build with automatic prefix caching, bf16, from its own virtual
-  environment (``make peers-vllm``; ``$KVRELAY_VLLM_PYTHON`` points at another one). vLLM reuses the KV of
+  environment (``make peers-vllm``; ``$KVRELAY_VLLM_PYTHON`` points at another one: ``vllm_python``). vLLM reuses the KV of
   a prompt prefix it has seen token for token, so text hand-offs that extend the previous request reuse it.
 
 ``PeerServer`` is the mechanism: start the process, wait until ``/v1/models`` answers (or the process
@@ -26,7 +26,6 @@ from pathlib import Path
 from kvrelay.core.errors import PeerUnavailable
 
 PEER_START_S = 900  # a peer server may take this long to load (and, for vLLM, warm up) on a loaded machine
-VLLM_PYTHON = Path(os.environ.get("KVRELAY_VLLM_PYTHON", Path.home() / ".cache/kvrelay/vllm-venv/bin/python"))
 VLLM_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: room for a few 4k-token sequences of a small model
 VLLM_MAX_MODEL_LEN = 4096
 
@@ -58,11 +57,15 @@ class PeerServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile(mode="w+")
+        self.last_log = ""
 
     def log_tail(self, n: int = 600) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-n:]
+        """The end of the server's log (kept after the block: why a peer died is read after it)."""
+        if not self.log.closed:
+            self.log.flush()
+            self.log.seek(0)
+            self.last_log = self.log.read()
+        return self.last_log[-n:]
 
     def __enter__(self) -> str:
         import httpx
@@ -92,7 +95,15 @@ class PeerServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log_tail()
         self.log.close()
+
+    def died(self) -> str | None:
+        """Why the server is gone (its exit status, a kill by signal -9 is often the kernel's OOM killer), or None."""
+        if self.proc is None or self.proc.returncode is None:
+            return None
+        return f"{self.command.name} exited {self.proc.returncode}" + \
+            (" (SIGKILL: out of memory?)" if self.proc.returncode == -9 else "")
 
 
 def _threads_env(threads: int | None) -> dict[str, str]:
@@ -106,23 +117,30 @@ def transformers_serve(folder: Path, threads: int | None) -> PeerCommand:
                                               "--log-level", "warning"), _threads_env(threads))
 
 
-def vllm_available(python: Path = VLLM_PYTHON) -> str | None:
+def vllm_python() -> Path:
+    """The Python of vLLM's environment: ``$KVRELAY_VLLM_PYTHON``, else where ``make peers-vllm`` puts it."""
+    return Path(os.environ.get("KVRELAY_VLLM_PYTHON", Path.home() / ".cache/kvrelay/vllm-venv/bin/python"))
+
+
+def vllm_available(python: Path | None = None) -> str | None:
     """None when vLLM's environment is there; otherwise why not (the reason a strategy is reported not run)."""
-    if not python.exists():
+    if not (python or vllm_python()).exists():
         return ("vLLM's CPU build is an optional peer (make peers-vllm); no environment at $KVRELAY_VLLM_PYTHON "
                 "(default ~/.cache/kvrelay/vllm-venv/bin/python)")
     return None
 
 
-def vllm_serve(folder: Path, name: str, threads: int | None, python: Path = VLLM_PYTHON) -> PeerCommand:
+def vllm_serve(folder: Path, name: str, threads: int | None, python: Path | None = None,
+               dev: bool = False) -> PeerCommand:
     """vLLM's OpenAI server on ``folder`` in bf16 with prefix caching, answering to model ``name``.
 
     Its ``vllm`` console script does not start in the CPU build's package, so the module is run; the OpenMP
-    threads are bound to the first ``threads`` cores (vLLM would otherwise cut torch to one thread)."""
+    threads are bound to the first ``threads`` cores (vLLM would otherwise cut torch to one thread).
+    ``dev``: also serve vLLM's development endpoints (``/reset_prefix_cache``: a benchmark's cold start)."""
     n = threads or os.cpu_count() or 1
     env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
-           "OMP_NUM_THREADS": str(n)}
-    return PeerCommand("vLLM", (str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+           "OMP_NUM_THREADS": str(n)} | ({"VLLM_SERVER_DEV_MODE": "1"} if dev else {})
+    return PeerCommand("vLLM", (str(python or vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                                 "--served-model-name", name, "--dtype", "bfloat16", "--max-model-len",
                                 str(VLLM_MAX_MODEL_LEN), "--enable-prefix-caching", "--host", "127.0.0.1",
                                 "--port", "{port}"), env)
@@ -144,3 +162,13 @@ def prefix_cache_counts(metrics_text: str) -> dict[str, float]:
     if set(out) != {"queries", "hits"}:
         raise PeerUnavailable(f"vLLM's /metrics has no prefix-cache counters (found {sorted(out) or 'none'})")
     return out
+
+
+def model_folder(name: str) -> Path | None:
+    """The transformers folder of a zoo model or a model folder (what a peer server loads); None otherwise."""
+    from kvrelay.core.paths import home
+
+    for p in (home() / "models" / name / "hf", Path(name).expanduser()):
+        if (p / "config.json").is_file():
+            return p
+    return None

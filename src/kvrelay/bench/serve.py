@@ -23,7 +23,7 @@ Strategies (``STRATEGIES``), all on the same tasks:
 * ``vllm_prefix_arranged`` — the same server with the requests of ``always_text`` (one system prompt,
   the whole conversation re-sent, ``prompts="conversation"``): each request extends the previous one's
   prompt and answer token for token, vLLM's best case. Both are reported as not run unless its
-  optional environment exists (``bench.peer_servers.VLLM_PYTHON``); their rows record vLLM's
+  optional environment exists (``bench.peer_servers.vllm_python``); their rows record vLLM's
   prefix-cache hit rate over the strategy (``prefix_cache_hit_rate``, from its ``/metrics``).
 
 Per strategy: p50 / p99 end-to-end workflow latency, throughput (requests per second of the
@@ -49,6 +49,7 @@ from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.tasks import Task, generate, score
 from kvrelay.bench.peer_servers import (
     PeerServer,
+    model_folder,
     prefix_cache_counts,
     transformers_serve,
     vllm_available,
@@ -224,21 +225,13 @@ def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
 
 
 # -- peers ---------------------------------------------------------------------------------------
-def model_folder(name: str) -> Path | None:
-    """The transformers folder of a zoo model or a model folder (what a peer server loads); None otherwise."""
-    from kvrelay.core.paths import home
-
-    for p in (home() / "models" / name / "hf", Path(name).expanduser()):
-        if (p / "config.json").is_file():
-            return p
-    return None
-
-
 # -- the benchmark ---------------------------------------------------------------------------------
 def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = lambda s: None,
                 checkpoint: Callable[[dict], None] = lambda res: None) -> dict:
     """Every strategy of ``config`` on the same workflows. ``checkpoint`` receives the result so far after
     each strategy (the CLI writes it, so a long run that stops keeps what it measured)."""
+    import httpx
+
     from kvrelay.serve.server import Gateway, ServeConfig
 
     tasks = generate(config.workflows, config.seed, doc_tokens=config.doc_tokens)
@@ -280,15 +273,18 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
                 rows[n] = not_run(n, missing or f"{large} is not a model folder")
             continue
         progress(f"{peer}: starting it on {large}")
+        server = PeerServer(command())
         try:
-            with PeerServer(command()) as peer_url:
+            with server as peer_url:
                 for n in names:
                     progress(f"{n}: {config.workflows} workflows, {config.clients} clients")
                     rows[n] = _peer_strategy(n, peer_url, folder, large, tasks, config)
                     checkpoint(_result(config, rows, small, large) | {"complete": False})
-        except PeerUnavailable as err:  # reported, not fatal: the kvrelay figures stand on their own
+        except (PeerUnavailable, httpx.HTTPError) as err:  # reported, not fatal: kvrelay's figures stand alone
+            why = f"{type(err).__name__}: {err}" + (f"; {server.died()}" if server.died() else "") + \
+                f"; its log ends: {server.log_tail(300)!r}"
             for n in names:
-                rows.setdefault(n, not_run(n, str(err)))
+                rows.setdefault(n, not_run(n, why))
     return _result(config, rows, small, large)
 
 

@@ -86,6 +86,8 @@ def engine_cmd(
                                 "(fp32 | bf16 | fp16 | int8 | int4 | auto)"),
     peer: str = typer.Option("llama.cpp", help=f"the peer engine: {' | '.join(PEERS)} (llama.cpp: `make peers`)"),
     gguf: Path | None = typer.Option(None, help="the GGUF for the peer (default: the zoo model's verified GGUF)"),
+    vllm: bool = typer.Option(False, "--vllm/--no-vllm", help="also vLLM's CPU build in bf16 with prefix caching "
+                              "on the model's folder, same token ids (`make peers-vllm`); no pipeline"),
     repeats: int = typer.Option(3, min=1, help="interleaved repeats; medians are reported"),
     new_tokens: int = typer.Option(64, min=2, help="tokens the receiver writes after the relay (decode rate)"),
     pipeline_tokens: int = typer.Option(64, min=1, help="tokens each pipeline agent writes"),
@@ -118,12 +120,24 @@ def engine_cmd(
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
     v.model(model)
+    vllm_peer = None
+    if vllm:
+        from kvrelay.bench.peer_servers import model_folder, vllm_available
+
+        folder = model_folder(model)
+        if vllm_available() is not None:
+            raise v.InvalidInput("--vllm: vLLM's CPU build is not installed",
+                                 "its environment (`make peers-vllm`, or $KVRELAY_VLLM_PYTHON)")
+        if folder is None:
+            raise v.InvalidInput(f"--vllm: {model} has no model folder",
+                                 f"a zoo model pulled with `kvrelay models pull {model}`")
+        vllm_peer = (folder, model)
     threads = threads or os.cpu_count() or 1
     lms = _load_modes(model, modes, threads)
     gguf_path = _gguf_for(model, gguf) if peer == "llama.cpp" else None
     raw = bench_engine(lms, context_tokens=context_tokens, repeats=repeats, new_tokens=new_tokens,
                        pipeline_tokens=pipeline_tokens, codec=codec, peer_gguf=gguf_path, pipeline=pipeline,
-                       pipeline_modes=pipe_modes, progress=note, allow_load=allow_load)
+                       pipeline_modes=pipe_modes, progress=note, allow_load=allow_load, vllm=vllm_peer)
     import torch
 
     from kvrelay.models.engine_auto import cpu_flags, cpu_model
