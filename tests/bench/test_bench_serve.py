@@ -144,3 +144,18 @@ def test_a_missing_vllm_environment_is_a_reason_not_a_crash(tmp_path):
 
     assert "make peers-vllm" in vllm_available(tmp_path / "no-python")
     assert vllm_available(tmp_path) is None  # a path that exists
+
+
+def test_single_requests_send_the_document_and_question_once_and_relay_nothing():
+    """``--single``: one plain chat request per workflow, so the kvrelay routes differ only in the model."""
+    cfg = ServeBenchConfig(models=("tiny:qwen2", "tiny:llama"), workflows=2, clients=1, doc_tokens=96, max_tokens=4,
+                           slo_s=30.0, strategies=("always_largest", "always_text"), single=True)
+    res = bench_serve(cfg)
+    assert res["agents"] == 1
+    rows = {r["name"]: r for r in res["strategies"]}
+    for r in rows.values():
+        assert r["requests"] == 2 and r["relay_hits"] == 0 and all(len(w["steps"]) == 1 for w in r["records"])
+    # the same request either way: the same answer from the same prompt
+    assert [w["answer"] for w in rows["always_largest"]["records"]] == [w["answer"] for w in rows["always_text"]["records"]]
+    assert [w["steps"][0]["prompt_tokens"] for w in rows["always_largest"]["records"]] == \
+        [w["steps"][0]["prompt_tokens"] for w in rows["always_text"]["records"]]

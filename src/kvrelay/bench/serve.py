@@ -5,7 +5,9 @@ a facility log with one access code the last agent is asked for; the document re
 agent only). The reader reads the document and summarises it, the checker names the holders it
 gives codes for, the answerer answers the task's question; its answer is scored with the task's
 scorer (``audit.tasks.score``). ``clients`` threads take workflows from one list, so up to
-``clients`` workflows run at once, each agent's request after the previous one's answer.
+``clients`` workflows run at once, each agent's request after the previous one's answer. ``single``:
+each workflow is instead one plain chat request — the document and the question, no hand-off — which
+measures what the gateway itself costs against a peer server when nothing is relayed.
 
 Strategies (``STRATEGIES``), all on the same tasks:
 
@@ -83,6 +85,7 @@ class ServeBenchConfig:
     threads: int | None = None
     engine: str = "fp32"
     audits: tuple[Path, ...] = ()  # the scheduler's value models (serve.scheduler.fit_value_models)
+    single: bool = False  # each workflow is one plain chat request (document + question): no hand-off
 
     def __post_init__(self):
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -144,9 +147,10 @@ def _post(client, url: str, body: dict) -> dict:
     return r.json()
 
 
-def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
-    """The three agents of one workflow; a record with its latency, score and what each request did."""
-    turns = [f"{task.context}\n\n{TURNS[0]}", TURNS[1], task.prompt]
+def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = False) -> dict:
+    """The three agents of one workflow (``single``: one request with the document and the question); a
+    record with its latency, score and what each request did."""
+    turns = [f"{task.context}\n\n{task.prompt}"] if single else [f"{task.context}\n\n{TURNS[0]}", TURNS[1], task.prompt]
     answers: list[str] = []
     handle = None
     steps = []
@@ -180,12 +184,13 @@ def run_one(client, route: Route, task: Task, max_tokens: int) -> dict:
             "steps": steps}
 
 
-def run_strategy(route: Route, tasks: Sequence[Task], clients: int, max_tokens: int) -> tuple[list[dict], float]:
+def run_strategy(route: Route, tasks: Sequence[Task], clients: int, max_tokens: int,
+                 single: bool = False) -> tuple[list[dict], float]:
     import httpx
 
     with httpx.Client(timeout=None) as client, ThreadPoolExecutor(clients) as pool:
         t0 = time.perf_counter()
-        records = list(pool.map(lambda t: run_one(client, route, t, max_tokens), tasks))
+        records = list(pool.map(lambda t: run_one(client, route, t, max_tokens, single), tasks))
         return records, time.perf_counter() - t0
 
 
@@ -258,7 +263,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
         for name in wanted:
             progress(f"{name}: {config.workflows} workflows, {config.clients} clients")
             before = load1()
-            records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens)
+            records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens, config.single)
             rows[name] = summarize(name, records, wall, (before, load1())) | {"records": records}
             checkpoint(_result(config, rows, small, large) | {"complete": False})
     folder = model_folder(large)
@@ -298,7 +303,7 @@ def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequenc
     route = Route(url, lambda: served, False, extensions=False, prompts="roles" if name == "vllm" else "conversation")
     counts = prefix_cache_counts(httpx.get(url + "/metrics", timeout=10).text) if vllm else None
     before = load1()
-    records, wall = run_strategy(route, tasks, config.clients, config.max_tokens)
+    records, wall = run_strategy(route, tasks, config.clients, config.max_tokens, config.single)
     load = (before, load1())
     for r in records:  # name the zoo model, not a local path the peer echoes
         for st in r["steps"]:
@@ -317,6 +322,6 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
     return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
-            "clients": config.clients, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
+            "clients": config.clients, "agents": 1 if config.single else 3, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
             "slo_s": config.slo_s, "seed": config.seed, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

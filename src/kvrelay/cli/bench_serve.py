@@ -20,7 +20,7 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 
 def print_result(res: dict) -> None:
-    t = Table(title=f"bench serve — {res['workflows']} workflows x 3 agents, {res['clients']} clients, "
+    t = Table(title=f"bench serve — {res['workflows']} workflows x {res.get('agents', 3)} agents, {res['clients']} clients, "
                     f"~{res['doc_tokens']} document tokens (load: {(res['load_average'] or {}).get('status', '-')})")
     for c in ("strategy", "p50 s", "p99 s", "req/s", "accuracy", "95% CI", "relay hits", "fallbacks", "note"):
         t.add_column(c, justify="left" if c in ("strategy", "fallbacks", "note") else "right")
@@ -47,6 +47,8 @@ def bench_serve_cmd(
                                              "always_text", "transformers_serve", "vllm", "vllm_prefix_arranged")),
                                    help="which strategies to run (comma-separated)"),
     seed: int = typer.Option(0, help="task seed"),
+    single: bool = typer.Option(False, "--single", help="each workflow is one plain chat request (the document and "
+                                "its question, no hand-off): the gateway's own cost against the peers"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
     json_path: Path = typer.Option(None, "--json", help="write the result as JSON"),
@@ -70,7 +72,7 @@ def bench_serve_cmd(
         raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
-                           engine=engine, audits=audit_dirs)
+                           engine=engine, audits=audit_dirs, single=single)
     res = bench_serve(cfg, progress=note,
                       checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()
