@@ -89,16 +89,21 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def _touched(n: int) -> bytes:
+    """n bytes whose pages are all written: ``bytes(n)`` comes from calloc and stays out of RSS until read."""
+    return b"\x01" * n
+
+
 def test_released_payloads_free_their_memory():
     s = store("oldest", 200 * MB)
     gc.collect()
     before = _rss()
     for i in range(3):
-        s.put_bytes(f"p{i}", bytes(48 * MB))
+        s.put_bytes(f"p{i}", _touched(48 * MB))
     held = _rss()
     assert held - before > 120 * MB
-    s.put_bytes("p3", bytes(48 * MB))
-    s.put_bytes("p4", bytes(48 * MB))  # 240 MB put into 200: the oldest went
+    s.put_bytes("p3", _touched(48 * MB))
+    s.put_bytes("p4", _touched(48 * MB))  # 240 MB put into 200: the oldest went
     assert not s.contains("p0") and _rss() - before < 200 * MB
     for i in range(5):
         s.delete(f"p{i}")
