@@ -322,6 +322,6 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
     return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
-            "clients": config.clients, "agents": 1 if config.single else 3, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
+            "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
             "slo_s": config.slo_s, "seed": config.seed, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}
