@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvrelay.bench.auto_policy import auto_routes
 from kvrelay.workflows.run import RunTrace, run_workflow
 from kvrelay.workflows.workloads import BENCH_NEW_TOKENS, Workload
 
@@ -78,17 +79,19 @@ def _common_prefix(a, b) -> int:
 
 
 def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
-                   warmup: bool = True, progress=None, executor=None) -> dict:
+                   warmup: bool = True, progress=None, executor=None, policy=None) -> dict:
     """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the dict of docs/json.md.
 
     ``executor`` picks where agents run (``workflows.executors``; default: in process on ``lm``,
     payloads handed over as objects): e.g. an ``InProcessExecutor`` through a store with a codec, a
     ``RayExecutor`` or a ``ProcessExecutor``. Every backend runs the same ``run_workflow`` loop.
+    ``policy``: the ``workflows.auto.AutoPolicy`` that decides the workflow's ``channel = "auto"`` edges in
+    kv mode (one policy across repeats, so its switch learns); text mode re-encodes them like every edge.
     """
     ex = lm if executor is None else executor
 
     def run(wf, context, mode):
-        return run_workflow(ex, wf, context, mode=mode)
+        return run_workflow(ex, wf, context, mode=mode, policy=policy if mode == "kv" else None)
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -122,7 +125,8 @@ def _avoided(t: RunTrace, k: RunTrace, share: bool = False) -> float:
 
 def _agent_row(i: int, name: str, text_runs: list[RunTrace], kv_runs: list[RunTrace]) -> dict:
     """Agent ``i``'s medians over repeats in both modes, what relay saved it, and whether its outputs agree."""
-    row: dict = {"agent": name, "channel": kv_runs[0].agents[i].channel}
+    row: dict = {"agent": name, "channel": kv_runs[0].agents[i].channel,
+                 "decision": kv_runs[0].agents[i].decision}  # an auto edge's route in the first kv run
     for mode, rs in (("text", text_runs), ("kv", kv_runs)):
         recs = [t.agents[i] for t in rs]
         for f in COUNTS:
@@ -199,6 +203,8 @@ def summarize(workload: Workload, runs: dict[str, list[RunTrace]], order_log: li
         "repeats": len(text_runs),
         "agent_names": names,
         "edges": [{"src": e.src, "dst": e.dst, "channel": e.channel} for e in wf.edges],
+        "auto_routes": auto_routes(kv_runs),  # each auto edge's routes over the kv repeats
+        "switch_events": [ev for k in kv_runs for ev in k.switch_events],
         **{k: v for k, v in r.items() if k not in ("text_s", "kv_s", "speedup", "ideal_speedup")},
         "min_decode_tokens": min(a.decode_tokens for t in (*text_runs, *kv_runs) for a in t.agents),
         "min_new_tokens": min(a.min_new_tokens for a in wf.agents),

@@ -45,7 +45,6 @@ def check_workflow(workflow: str):
     except (ValueError, TypeError, KeyError) as err:  # tomllib's errors are ValueErrors
         raise v.InvalidInput(f"--workflow {workflow!r} is not a valid workflow ({v.one_line(err)})",
                              "the TOML format in docs/workflows.md") from None
-    v.no_auto_edges(wf, workflow)
     return wf
 
 
@@ -87,6 +86,13 @@ def print_result(res: dict) -> None:
                   f"outputs identical: {res['outputs_identical']}  "
                   f"fact exact-match text/kv: {f['text_exact_match']}/{f['kv_exact_match']}  "
                   f"min tokens written: {res['min_decode_tokens']}")
+    for a in res.get("auto_routes", ()):
+        how = a["channel"] + (f" ({a['codec']})" if a["codec"] else "")
+        console.print(f"auto edge {a['edge']}: {how} in kv repeat(s) {', '.join(str(r + 1) for r in a['repeats'])}"
+                      f" — {a['reason']}")
+    for ev in res.get("switch_events", ()):
+        console.print(f"relay switch on {ev['edge']}: {'on' if ev['relay_on'] else 'off'} "
+                      f"(estimate {ev['estimate']:.3f} nats/token)")
     if res.get("noise"):
         console.print(f"[yellow]note:[/yellow] {res['noise']}")
 
@@ -120,12 +126,28 @@ def pipeline(
                               "handed over as objects otherwise"),
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    profile: str = typer.Option(None, help="cost profile that prices the channels of the workflow's channel = "
+                                "\"auto\" edges: the JSON of `kvrelay calibrate --json` or its saved profile "
+                                "(artefacts/profiles/); needed with auto edges"),
+    value: str = typer.Option(None, help="comma-separated audit folders (each with records.jsonl; or a folder of "
+                              "them, or a records.jsonl) the value model of auto edges is fitted on; needed with "
+                              "auto edges"),
+    slo: float = typer.Option(None, help="the latency budget in seconds each auto edge's receiver is decided under "
+                              "(default: none)"),
 ) -> None:
-    """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs."""
+    """Text vs kv runs of one workflow, interleaved in one process: speedup, ideal speedup, identical outputs.
+
+    A workflow TOML with channel = "auto" edges needs --profile and --value: in kv mode each auto edge is
+    decided per run (kv with a codec, text or none; docs/workflows.md) and its route is printed and kept in
+    the JSON; text mode re-encodes it like every edge."""
     from kvrelay.workflows.spec import LAYOUTS
     from kvrelay.workflows.workloads import HEADERS
 
     wf = check_workflow(workflow)
+    files = v.auto_policy_files(wf, workflow, profile, value, slo)
+    if files is not None and backend != "inprocess":
+        raise v.InvalidInput(f"--backend {backend} with channel \"auto\" edges", "--backend inprocess (the "
+                             "in-process executor tells compatibility and runs the switch's probe)")
     v.positive(context_tokens, "--context-tokens", minimum=16)
     v.positive(repeats, "--repeats")
     if layout is not None:
@@ -143,15 +165,20 @@ def pipeline(
     ref = v.model(model)
     check_fits(ref, wf, context_tokens, max_new_tokens)
 
+    from kvrelay.bench.auto_policy import auto_policy
     from kvrelay.bench.pipeline import bench_pipeline
     from kvrelay.bench.plot import plot_pipeline
 
+    policy, policy_summary = auto_policy(*files, slo_s=slo) if files is not None else (None, None)
+    if policy is not None and policy.cost.model != model:
+        note(f"the cost profile is of {policy.cost.model}, not {model}: auto edges are priced with its rates")
     lm = load_for_cli(model, threads, engine)
     wl = load_workload(workflow, lm.tokenizer, context_tokens, seed=seed, layout=layout, source=source,
                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
     with _executor(backend, lm, model, wl.workflow, store=store, codec=codec, threads=threads,
                    ray_address=ray_address) as ex:  # None: in process, payloads handed over as objects
-        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=note, executor=ex)
+        res = bench_pipeline(lm, wl, repeats=repeats, model_name=model, progress=note, executor=ex, policy=policy)
+    res["policy"] = policy_summary
     res["backend"] = backend
     res["store"], res["codec"] = store, codec
     res["engine"] = lm.engine

@@ -326,10 +326,45 @@ def fits(ref: ModelRef, tokens: int, flag: str, reserve: int = 0) -> int:
 
 
 def no_auto_edges(wf, workflow: str, allowed: tuple[str, str] | None = None) -> None:
-    """``channel = "auto"`` edges are decided by a policy the library is given (``workflows.auto``); no
-    command builds one yet, so a file with one fails here, before any model loads."""
+    """A command that runs no policy (``audit --workflow``) refuses ``channel = "auto"`` edges here, before
+    any model loads; ``bench pipeline`` builds one (``auto_policy_files``)."""
     auto = [f"{e.src}->{e.dst}" for e in wf.edges if e.channel == "auto" and (e.src, e.dst) != allowed]
     if auto:
         raise InvalidInput(f"--workflow {workflow!r} has channel \"auto\" edges ({', '.join(auto)})",
-                           "kv or text edges here: an auto edge runs in the library, run_workflow(..., "
-                           "policy=AutoPolicy(...)) (docs/workflows.md)")
+                           "kv or text edges here (kvrelay bench pipeline runs auto edges with --profile and "
+                           "--value; docs/workflows.md)")
+
+
+AUTO_OPTIONS = "--profile PATH (kvrelay calibrate --json) and --value AUDIT[,AUDIT...] (audit folders or records.jsonl)"
+
+
+def auto_policy_files(wf, workflow: str, profile: str | None, value: str | None,
+                      slo: float | None) -> tuple[Path, list[Path]] | None:
+    """What a policy for ``wf``'s ``channel = "auto"`` edges is built from (``bench.auto_policy``): the cost
+    profile file and the audit folders; None when ``wf`` has no auto edge (then the options are a mistake)."""
+    auto = [f"{e.src}->{e.dst}" for e in wf.edges if e.channel == "auto"]
+    given = [f for f, x in (("--profile", profile), ("--value", value), ("--slo", slo)) if x is not None]
+    if not auto:
+        if given:
+            raise InvalidInput(f"{'/'.join(given)} with --workflow {workflow!r}, which has no channel \"auto\" edge",
+                               "these options only with a workflow TOML that has auto edges (docs/workflows.md)")
+        return None
+    missing = [f for f, x in (("--profile", profile), ("--value", value)) if x is None]
+    if missing:
+        raise InvalidInput(f"--workflow {workflow!r} has channel \"auto\" edges ({', '.join(auto)}) and no "
+                           f"{' or '.join(missing)} to build the policy that decides them", AUTO_OPTIONS)
+    if slo is not None and not slo > 0:
+        raise InvalidInput(f"--slo {slo}", "a latency budget > 0 seconds")
+    prof = existing_file(profile, "--profile", "a JSON written by `kvrelay calibrate --json` (or its saved profile)")
+    folders: list[Path] = []
+    for a in csv(value, "--value", "docs/audit/full-qwen2.5-coder-0.5b"):
+        p = Path(a).expanduser()
+        if p.is_file() and p.name == "records.jsonl":
+            folders.append(p.parent)
+            continue
+        p = existing_dir(a, "--value", "an audit folder (with records.jsonl), a folder of them, or a records.jsonl")
+        found = [p] if (p / "records.jsonl").is_file() else sorted(x.parent for x in p.glob("*/records.jsonl"))
+        if not found:
+            raise InvalidInput(f"--value {a!r} holds no records.jsonl", "audit folders written by kvrelay audit")
+        folders += found
+    return prof, folders
