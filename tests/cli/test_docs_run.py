@@ -48,6 +48,12 @@ RUNS = [
                              "--context-tokens", "128", "--repeats", "1", "--source", "code", "--max-new-tokens", "4",
                              "--backend", "inprocess", "--store", "memory://docs-test", "--codec", "int8",
                              "--json", "{tmp}/review2.json"], ["review2", "speedup"]),
+    ("pipeline-auto", ["bench", "pipeline", "--workflow", "docs/demo/review2_auto.toml", "--model", SMOL,
+                       "--context-tokens", "128", "--repeats", "1", "--source", "code", "--max-new-tokens", "4",
+                       "--min-new-tokens", "4", "--threads", "1", "--no-plot",
+                       "--profile", "artefacts/profiles/qwen2.5-coder-0.5b__fp32.json",
+                       "--value", "docs/audit/full-qwen2.5-coder-0.5b", "--slo", "120", "--json", "{tmp}/auto.json"],
+     ["review2_auto", "auto edge reader->fixer: kv (raw) in kv repeat(s) 1"]),
     ("replace-quality", ["bench", "replace-quality", "--workflows", "review3", "--model", SMOL, "--context-tokens",
                          "128", "--seeds", "0", "--json", "{tmp}/rq.json"], ["replace layout vs text", "fact kv"]),
     ("transfer", ["bench", "transfer", "--model", SMOL, "--context-tokens", "64", "--stores", "memory,disk",
@@ -150,7 +156,8 @@ NOT_RUN = {
 }
 # which --json section of docs/json.md each run's JSON answers
 JSON_SECTIONS = {"relay": "kvrelay relay --json", "bench-relay": "kvrelay bench relay --json",
-                 "pipeline": "kvrelay bench pipeline --json", "replace-quality": "kvrelay bench replace-quality --json",
+                 "pipeline": "kvrelay bench pipeline --json", "pipeline-auto": "kvrelay bench pipeline --json",
+                 "replace-quality": "kvrelay bench replace-quality --json",
                  "transfer": "kvrelay bench transfer --json", "respond": "kvrelay respond --json",
                  "inspect": "kvrelay inspect PAYLOAD --json", "repair": "kvrelay bench repair --json",
                  "repair-variant": "kvrelay bench repair --json",

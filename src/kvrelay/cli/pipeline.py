@@ -127,8 +127,8 @@ def pipeline(
     ray_address: str = typer.Option(None, help="Ray cluster address (default: start a local one)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
     profile: str = typer.Option(None, help="cost profile that prices the channels of the workflow's channel = "
-                                "\"auto\" edges: the JSON of `kvrelay calibrate --json` or its saved profile "
-                                "(artefacts/profiles/); needed with auto edges"),
+                                "\"auto\" edges: the JSON of `kvrelay calibrate --json` or the profile it saved "
+                                "($KVRELAY_HOME/profiles/MODEL__ENGINE.json, or its --profile); needed with auto edges"),
     value: str = typer.Option(None, help="comma-separated audit folders (each with records.jsonl; or a folder of "
                               "them, or a records.jsonl) the value model of auto edges is fitted on; needed with "
                               "auto edges"),
