@@ -123,6 +123,7 @@ def test_cli_records_extend_an_earlier_run(tmp_path):
     assert lines[:4] == first and len(lines) == 6  # the first two tasks were not rerun
     body = json.loads(out.read_text())
     assert body["records"] == str(rec) and {row["n"] for row in body["rows"]} == {3}
+    assert (body["trials_measured"], body["trials_from_records"]) == (2, 4)  # the load describes only the new task
     rec.write_text("\n".join(lines) + "\n" + lines[0][:30])  # a run killed while writing its last task
     r = CliRunner().invoke(app, [*args, "--n", "4"])
     assert r.exit_code == 0, r.output

@@ -204,7 +204,7 @@ def run(load: Callable, cases: Sequence[str], methods: Sequence[str], *, sender:
     prof = load_profile(profile) if profile else None
     task_list = task_set(tasks, n, context_tokens, seed)
     kept = resume_json_lines(records) if records else []
-    rows, meta = [], {}
+    rows, meta, reused, total = [], {}, 0, 0
     load_before = os.getloadavg()[0]
     setting = {"tasks": tasks, "context_tokens": context_tokens, "seed": seed, "max_new_tokens": max_new_tokens,
                "threads": threads, "profile": str(profile) if profile else None}
@@ -222,11 +222,16 @@ def run(load: Callable, cases: Sequence[str], methods: Sequence[str], *, sender:
             def sink(trials, case=case, setup=setup):
                 append_json_lines(records, (trial_row(case, setup, t) for t in trials))
 
-        rows += summarize(case, run_case(case, s_lm, r_lm, task_list, methods, max_new_tokens=max_new_tokens,
-                                         profile=prof if case == "variant" else None, done=done, sink=sink))
+        trials = run_case(case, s_lm, r_lm, task_list, methods, max_new_tokens=max_new_tokens,
+                          profile=prof if case == "variant" else None, done=done, sink=sink)
+        earlier = {id(t) for t in done}  # run_case hands back the very trials it took from the records
+        reused += sum(id(t) in earlier for t in trials)
+        total += len(trials)
+        rows += summarize(case, trials)
     return {"rows": rows, "cases": meta, "tasks": {"set": "gen_repair" if tasks == "gen" else "squad_long", "n": n,
                                                    "context_tokens": context_tokens, "seed": seed},
             "target_met": target_met(rows), "records": str(records) if records else None,
+            "trials_measured": total - reused, "trials_from_records": reused,
             "load_average": {"load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}}
 
 
