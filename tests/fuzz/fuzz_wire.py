@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of kvrelay's readers with atheris (optional: ``pip install atheris``).
+"""Coverage-guided fuzzing of kvrelay's readers with atheris (a dev dependency: ``pip install -e '.[dev]'``).
 
     python tests/fuzz/fuzz_wire.py -atheris_runs=100000 -max_len=8192 [CORPUS_DIR]
 
@@ -37,7 +37,7 @@ def main() -> int:
     try:
         import atheris
     except ImportError:
-        print("atheris is not installed: pip install atheris (an optional dependency)", file=sys.stderr)
+        print("atheris is not installed: pip install -e '.[dev]' (or '.[fuzz]')", file=sys.stderr)
         return 0
     args = sys.argv[1:]
     summary = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import missing_service
 from tests.fuzz.targets import check_all, check_decode, check_manifest, seed_corpus
 from tests.kv.test_wire_hostile import forge, split
 
@@ -101,18 +102,21 @@ def test_deep_json_is_refused_not_a_recursion_error():
     check_manifest(deep.encode())
 
 
-def test_the_atheris_target_runs_when_installed(tmp_path):
-    """The coverage-guided target itself (optional dependency: skipped without atheris)."""
+def test_the_atheris_target_runs(tmp_path):
+    """The coverage-guided target itself, bounded: the seed corpus of genuine files, a fixed libFuzzer seed and
+    2,000 inputs (a few seconds). atheris is a dev dependency (``make setup`` installs it); without it the test
+    skips on a developer's machine and fails under ``CI``."""
     import subprocess
     import sys
 
-    import pytest
-
-    pytest.importorskip("atheris")
+    try:
+        import atheris  # noqa: F401
+    except ImportError as e:
+        missing_service("atheris", f"{e}; pip install -e '.[dev]'")
     script = Path(__file__).with_name("fuzz_wire.py")
-    r = subprocess.run([sys.executable, str(script), "-atheris_runs=300", "-max_len=4096", "--summary",
+    r = subprocess.run([sys.executable, str(script), "-atheris_runs=2000", "-seed=1", "-max_len=4096", "--summary",
                         str(tmp_path / "s.json"), str(tmp_path / "corpus")], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads((tmp_path / "s.json").read_text())
-    assert s["runs"] >= 300 and s["crashes"] == 0 and "check_resealed" in s["targets"]
+    assert s["runs"] == 2000 and s["crashes"] == 0 and "check_resealed" in s["targets"], s
