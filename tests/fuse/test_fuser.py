@@ -133,7 +133,7 @@ def test_the_best_held_out_fuser_is_kept_beside_the_last(tmp_path, pair, example
     layer_map = align.depth_proportional(4, 4)
     net = F.FuserNet(4, 2 * 2 * 16, 2, 16, rank=8)
     FT.standardise(net, examples, layer_map)
-    cfg = FT.TrainConfig(steps=12, lr=1.0, eval_every=3)  # a large step size: the held-out loss does not fall monotonically
+    cfg = FT.TrainConfig(steps=12, lr=2.0, eval_every=3)  # a large step size: the held-out loss does not fall monotonically
     state = FT.train(net, receiver.model, receiver.identity, layer_map, examples[2:], examples[:2], cfg)
     losses = {h["step"]: h["fused"] for h in state.held}
     assert list(losses) == [3, 6, 9, 12]

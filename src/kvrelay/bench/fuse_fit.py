@@ -2,8 +2,8 @@
 resumable ``train_fuser`` run (``kvrelay fuse fit`` / ``fuse train`` parse their options and call these).
 
 Each writes one artefact folder (``fuse.artefact``) recording what it was fitted on. ``train_fuser`` keeps
-its work under ``work``: the sharer's readings and the receiver's pass (each cached, keyed by the models'
-fingerprints) and a checkpoint at every held-out evaluation, so running it again continues where it
+its work under ``work``: the sharer's readings and the receiver's pass (one file per task, keyed by the
+models' fingerprints: ``fuse.fuser_data``) and a checkpoint at every held-out evaluation, so running it again continues where it
 stopped; the artefact holds the fuser at its lowest held-out loss (``keep="best"``) or the last step.
 """
 
@@ -23,6 +23,7 @@ from kvrelay.agents.agent import Agent
 from kvrelay.audit.tasks.fitting import GEN_SEED, PROBLEM_SOURCES, fitting_problems, fitting_texts
 from kvrelay.fuse import align, artefact, ridge
 from kvrelay.fuse import fuser as F
+from kvrelay.fuse import fuser_data as FD
 from kvrelay.fuse import fuser_train as FT
 from kvrelay.fuse import layers as LY
 from kvrelay.fuse.bridge import TokenBridge
@@ -110,6 +111,7 @@ class TrainSettings:
     seed: int = 0
     eval_every: int = 25
     keep: str = "best"
+    batch: int = 1
 
     def __post_init__(self):
         if self.keep not in KEEP:
@@ -143,30 +145,32 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
     work = work or default_work(receiver, sharer)
     work.mkdir(parents=True, exist_ok=True)
     tasks = fitting_problems(cfg.examples * 2)  # twice as many: readings over max_tokens are skipped
-    data_path = work / f"sharer_{cfg.examples}_{cfg.max_tokens}.pt"
+    r_layers = load(receiver).identity.num_layers  # the layer map decides which sharer layers are kept
+    clear_model_cache()
     s_lm = load(sharer)
     s_ident, s_tok = s_lm.identity, s_lm.tokenizer
-    saved = torch.load(data_path, weights_only=False) if data_path.is_file() else None
-    if saved is None or saved["sharer"] != s_ident.fingerprint:  # every sharer layer: the map needs the receiver
-        shared = _shared_readings(s_lm, tasks, set(range(s_ident.num_layers)), cfg.max_tokens, cfg.examples)
-        torch.save({"sharer": s_ident.fingerprint, "shared": shared}, data_path)
-    else:
-        shared = saved["shared"]
-    del s_lm, saved
+    layer_map = align.depth_proportional(r_layers, s_ident.num_layers)
+    s_key = {"sharer": s_ident.fingerprint, "layers": sorted(set(layer_map)), "max_tokens": cfg.max_tokens}
+    s_dir = FD.open_folder(work / "sharer", s_key, log)
+    readings = FD.sharer_readings(s_lm, tasks, set(layer_map), cfg.max_tokens, cfg.examples, s_dir,
+                                  progress=lambda **kw: tqdm(desc=f"sharer reads ({sharer})", unit="task", **kw))
+    del s_lm
     clear_model_cache()
     gc.collect()
     r_lm = load(receiver)
-    layer_map = align.depth_proportional(r_lm.identity.num_layers, s_ident.num_layers)
-    kept = [(t, s) for t, s in zip(tasks, shared, strict=False) if s is not None][:cfg.examples]
-    kept_ids = [t.id for t, _ in kept]
-    ckpt = work / f"ckpt_rank{cfg.rank}_seed{cfg.seed}.pt"
+    by_id = {t.id: t for t in tasks}
+    kept_ids = [torch.load(f, weights_only=False)["id"] for f in readings]
+    ckpt = work / f"ckpt_rank{cfg.rank}_seed{cfg.seed}_n{cfg.examples}_b{cfg.batch}.pt"
     if FT.checkpoint_step(ckpt) >= cfg.steps:  # nothing left to train: the artefact from the checkpoint
         net = FT.net_from_checkpoint(ckpt)
         state = FT.load_checkpoint(ckpt, net)
         log(f"{ckpt} has {state.step} steps (>= --steps {cfg.steps}): writing its artefact")
     else:
         bridge = TokenBridge.between(s_ident.tokenizer_hash, r_lm.identity.tokenizer_hash, s_tok, r_lm.tokenizer)
-        exs = _receiver_examples(r_lm, kept, s_ident, bridge, work / f"receiver_{cfg.examples}_{cfg.max_tokens}.pt")
+        r_key = {**s_key, "receiver": r_lm.identity.fingerprint}
+        r_dir = FD.open_folder(work / "receiver", r_key, log)
+        exs = FD.receiver_examples(r_lm, by_id, readings, bridge, r_dir,
+                                   progress=lambda xs: tqdm(xs, desc=f"receiver reads ({receiver})", unit="task"))
         held, train_ex = exs[:cfg.held_out], exs[cfg.held_out:]
         feat = next(iter(train_ex[0].feats.values())).shape[-1]
         ident = r_lm.identity
@@ -176,8 +180,8 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
             state = FT.load_checkpoint(ckpt, net)
             log(f"resuming {ckpt} at step {state.step}")
         else:
-            FT.standardise(net, train_ex, layer_map)
-        tc = FT.TrainConfig(steps=cfg.steps, lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every)
+            FT.standardise(net, tqdm(train_ex, desc="feature statistics", unit="task"), layer_map)
+        tc = FT.TrainConfig(steps=cfg.steps, lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every, batch=cfg.batch)
         state = FT.train(net, r_lm.model, ident, layer_map, train_ex, held, tc, state,
                          progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
                                                   initial=xs.start, total=cfg.steps),
@@ -196,7 +200,7 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
                 "n_examples": len(kept_ids) - cfg.held_out, "held_out": kept_ids[:cfg.held_out],
                 "max_tokens": cfg.max_tokens, "steps": state.step, "lr": cfg.lr,
                 "kept": f"{which} (step {last.get('step', state.step)})",
-                "seed": cfg.seed, "batch": 1, "tau": [taus[0], taus[-1]] if taus else None,
+                "seed": cfg.seed, "batch": cfg.batch, "tau": [taus[0], taus[-1]] if taus else None,
                 "loss": "answer tokens + end marker",
                 "regime": "shared (both models read the task's context; the receiver answers its prompt)"}
     metrics = {"held_out_loss": last.get("fused"), "held_out_loss_receiver": last.get("receiver"),
@@ -206,31 +210,3 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
     curve = {"train": state.train, "held": state.held, "settings": training}
     (folder / "loss_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
     return Trained(folder, net.n_params, state.step, which, last.get("step", state.step), last, len(layer_map))
-
-
-def _receiver_examples(r_lm, kept, s_ident, bridge: TokenBridge, path: Path) -> list:
-    """The receiver's pass over the kept tasks (``fuser_train.receiver_pass``), cached in ``path``."""
-    key = [r_lm.identity.fingerprint, s_ident.fingerprint, [t.id for t, _ in kept]]
-    if path.is_file():
-        saved = torch.load(path, weights_only=False)
-        if saved["key"] == key:
-            return saved["examples"]
-    exs = FT.receiver_pass(r_lm, [t for t, _ in kept], [s for _, s in kept], bridge,
-                           progress=lambda xs: tqdm(xs, desc=f"receiver reads ({r_lm.name})", unit="task"))
-    torch.save({"key": key, "examples": exs}, path)
-    return exs
-
-
-def _shared_readings(s_lm, tasks, layers: set[int], max_tokens: int, want: int) -> list:
-    """The sharer's features of task contexts, until ``want`` readings fit ``max_tokens`` (None: skipped)."""
-    out: list = []
-    bar = tqdm(total=want, desc=f"sharer reads ({s_lm.name})", unit="task")
-    for t in tasks:
-        r = FT.sharer_pass(s_lm, [t.context], layers, max_tokens)[0]
-        out.append(r)
-        if r is not None:
-            bar.update(1)
-            if sum(x is not None for x in out) >= want:
-                break
-    bar.close()
-    return out

@@ -73,6 +73,7 @@ def train(
     lr: float = typer.Option(1e-3, min=0.0),
     seed: int = typer.Option(0),
     eval_every: int = typer.Option(25, min=1, help="steps between held-out losses and checkpoints"),
+    batch: int = typer.Option(1, min=1, help="examples per step (gradients accumulated; their mean loss)"),
     keep: str = typer.Option("best", help="which fuser the artefact holds: best (lowest held-out loss) or last"),
     work: Path | None = typer.Option(None, help="checkpoints and precomputed caches (default: out/fuse-train/R__S)"),
     out: Path | None = typer.Option(None, help="artefact folder (default: artefacts/fuse/R__S__fuser)"),
@@ -95,7 +96,7 @@ def train(
     v.model(sharer, "--sharer")
     v.positive(threads, "--threads")
     settings = TrainSettings(steps=steps, examples=examples, held_out=held_out, max_tokens=max_tokens, rank=rank,
-                             lr=lr, seed=seed, eval_every=eval_every, keep=keep)
+                             lr=lr, seed=seed, eval_every=eval_every, keep=keep, batch=batch)
     got = train_fuser(receiver, sharer, lambda name: load_for_cli(name, threads), settings, work=work, out=out,
                       log=console.print)
     h = got.held

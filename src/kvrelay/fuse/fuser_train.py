@@ -19,7 +19,7 @@ that never stopped.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,12 +96,22 @@ def receiver_pass(receiver_lm, tasks, shared: Sequence[dict | None], bridge: Tok
     return out
 
 
-def standardise(net: FuserNet, examples: Sequence[Example], layer_map: tuple[int, ...]) -> None:
-    """Set the fuser's per-layer feature mean and spread from ``examples`` (sharer features, all slots)."""
+def standardise(net: FuserNet, examples: Iterable[Example], layer_map: tuple[int, ...]) -> None:
+    """Set the fuser's per-layer feature mean and spread from ``examples`` (sharer features, all slots),
+    streamed: one example at a time, sums in float64, so a training set on disk is never loaded whole."""
+    layers = sorted(set(layer_map))
+    n, s1, s2 = 0, {}, {}
+    for ex in examples:
+        for s in layers:
+            x = ex.feats[s][0].double()  # (T, F)
+            s1[s] = s1.get(s, 0) + x.sum(0)
+            s2[s] = s2.get(s, 0) + (x * x).sum(0)
+        n += ex.tokens
     for t, s in enumerate(layer_map):
-        x = torch.cat([ex.feats[s][0].float() for ex in examples])  # (N, F)
-        net.mu[t] = x.mean(0)
-        net.sd[t] = x.std(0).clamp_min(1e-3)
+        mu = s1[s] / n
+        var = (s2[s] - n * mu * mu) / max(n - 1, 1)  # unbiased, as torch.std
+        net.mu[t] = mu.float()
+        net.sd[t] = var.clamp_min(0).sqrt().float().clamp_min(1e-3)
 
 
 def _cache(model, keys, values) -> DynamicCache:
@@ -137,6 +147,7 @@ class TrainConfig:
     tau1: float = 0.1
     eval_every: int = 25
     grad_clip: float = 1.0
+    batch: int = 1  # examples per step (their mean loss; the same gate noise for all of them)
 
 
 @dataclass
@@ -185,15 +196,20 @@ def train(net: FuserNet, model, ident: ModelIdentity, layer_map: tuple[int, ...]
     steps = range(state.step, min(cfg.steps, cfg.steps if until is None else until))
     for step in progress(steps) if progress else steps:
         tau = tau_at(step, cfg.steps, cfg.tau0, cfg.tau1)
-        gates = gate_values(net.gate, tau, torch.Generator().manual_seed(1_000_003 * cfg.seed + step))
-        ex = examples[example_at(step, len(examples), cfg.seed)]
-        loss = example_loss(net, model, ident, layer_map, ex, gates)
         opt.zero_grad()
-        loss.backward()
+        total, names = 0.0, []
+        for j in range(cfg.batch):  # gradients accumulate over the batch's examples
+            gates = gate_values(net.gate, tau, torch.Generator().manual_seed(1_000_003 * cfg.seed + step))
+            ex = examples[example_at(step * cfg.batch + j, len(examples), cfg.seed)]
+            loss = example_loss(net, model, ident, layer_map, ex, gates) / cfg.batch
+            loss.backward()
+            total += loss.item()
+            names.append(ex.task_id)
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
         opt.step()
         state.step = step + 1
-        state.train.append({"step": step, "loss": round(loss.item(), 5), "tau": round(tau, 4), "example": ex.task_id})
+        state.train.append({"step": step, "loss": round(total, 5), "tau": round(tau, 4),
+                            "example": names[0] if cfg.batch == 1 else names})
         if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
             fused, alone = held_losses(net, model, ident, layer_map, held)
             state.held.append({"step": state.step, "fused": fused, "receiver": alone,
