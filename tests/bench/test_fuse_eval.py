@@ -153,3 +153,29 @@ def test_ttft_result_reports_medians_their_ratio_and_the_load_of_every_repeat(se
     assert 0 < out["context_tokens"] <= 64 and out["bytes"] > 0 and out["receiver"] == "tiny-mha"
     assert out["load_average"] == {"load1_before_repeat": [0.4, 0.6, 9.0], "load1_after": 0.5, "status": "loaded",
                                    "limit": 2.5, "max": 9.0}
+
+
+def test_records_of_another_adapter_are_never_resumed(setup, tmp_path):
+    """A retrained adapter is evaluated afresh: trials stamped with another adapter (or none) are refused."""
+    import json
+
+    from kvrelay.bench.fuse_eval import evaluate, settings_label
+    from kvrelay.core.errors import RecordsError
+
+    receiver, sharer, adapter, tasks = setup
+    adapters = {"adapter": adapter, "fuser": None, "layers": None}
+    records = tmp_path / "r.jsonl"
+    first = evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
+    label = settings_label(adapters)["adapter"]
+    assert {t.adapter for t in first if t.method == "ridge"} == {label}
+    assert {t.adapter for t in first if t.method == "receiver"} == {None}
+    again = evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
+    assert len(again) == len(first)  # the same adapter: resumed, nothing rerun
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    for stamp in ("ridge@0123456789abcdef", None):
+        records.write_text("".join(json.dumps({**r, "adapter": stamp if r["method"] == "ridge" else None}) + "\n"
+                                   for r in rows))
+        with pytest.raises(RecordsError, match="its ridge trials were made with adapter"):
+            evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
+    kept = evaluate(receiver, sharer, tasks[:2], ("receiver",), adapters, max_new_tokens=3, records=records)
+    assert len(kept) == len(rows)  # a run without that method does not care

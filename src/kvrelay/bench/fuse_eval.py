@@ -65,21 +65,29 @@ class Trial:
     ttft_s: float
     bytes: int
     mismatched: bool = False
+    adapter: str | None = None  # NAME@FINGERPRINT16 of the adapter a ridge / layers / fuser trial used
 
 
-def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched: bool = False) -> Trial:
-    return Trial(t.id, t.task, t.regime, method, gen, float(score(t, gen)), ttft, nbytes, mismatched)
+ADAPTER_OF = {"ridge": "adapter", "layers": "layers", "fuser": "fuser"}  # method -> its key in ``load_adapters``
+
+
+def _trial(t: Task, method: str, gen: str, ttft: float, nbytes: int, mismatched: bool = False,
+           labels: dict | None = None) -> Trial:
+    label = (labels or {}).get(ADAPTER_OF.get(method, ""))
+    return Trial(t.id, t.task, t.regime, method, gen, float(score(t, gen)), ttft, nbytes, mismatched, label)
 
 
 def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: Sequence[str] = METHODS, *,
               max_new_tokens: int = 16, progress: Callable | None = None, done: Sequence[Trial] = (),
-              sink: Callable[[Trial], None] | None = None, fuser=None, layers=None) -> list[Trial]:
+              sink: Callable[[Trial], None] | None = None, fuser=None, layers=None,
+              labels: dict | None = None) -> list[Trial]:
     """Every method on every task (and ``ridge`` / ``layers`` / ``fuser`` on another task's payload); one
     greedy answer each.
 
     ``adapter``: the ridge adapter (for ``ridge``); ``layers``: a ``LayersAdapter``; ``fuser``: a
     ``FuserAdapter`` (for ``fuser``).
-    ``done``: trials already on disk (skipped, returned as they are); ``sink`` gets each new trial as it lands.
+    ``done``: trials already on disk (skipped, returned as they are); ``sink`` gets each new trial as it lands;
+    ``labels``: ``settings_label`` of the adapters, stamped on the trials of the methods that use one.
     """
     unknown = set(methods) - set(METHODS)
     if unknown:
@@ -130,17 +138,18 @@ def run_tasks(receiver_lm, sharer_lm, adapter, tasks: Sequence[Task], methods: S
             if todo(t, "ridge", mm):
                 p = payload(j)[0]
                 r = mapped.respond(t.prompt, p)
-                add(_trial(t, "ridge", r.text, r.ttft_s, p.nbytes, mm))
+                add(_trial(t, "ridge", r.text, r.ttft_s, p.nbytes, mm, labels))
             if todo(t, "layers", mm):
                 p = payload(j)[0]
                 r = chosen.respond(t.prompt, p)
-                add(_trial(t, "layers", r.text, r.ttft_s, layers.adapt(p, receiver_lm.identity).nbytes, mm))
+                add(_trial(t, "layers", r.text, r.ttft_s, layers.adapt(p, receiver_lm.identity).nbytes, mm,
+                           labels))
             if todo(t, "fuser", mm):
                 p = payload(i)[0]
                 if mm:
                     p = relabelled(length_matched(sharer, list(tasks), j, p.num_tokens, payload(j)[0]), p)
                 r = fused.respond(t.prompt, p)
-                add(_trial(t, "fuser", r.text, r.ttft_s, p.nbytes, mm))
+                add(_trial(t, "fuser", r.text, r.ttft_s, p.nbytes, mm, labels))
         reads.pop(i - 1, None)  # task i-1's reading is no longer needed (i+1's may be, as i's partner)
     return trials
 
@@ -221,13 +230,21 @@ def load_adapters(r_lm, s_lm, receiver: str, sharer: str, methods: Sequence[str]
 def evaluate(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters: dict, *, max_new_tokens: int = 16,
              records: Path | None = None, progress: Callable | None = None) -> list[Trial]:
     """``run_tasks`` with every trial kept in ``records`` as it lands. An existing file is resumed: its trials
-    of these tasks are not rerun, and every earlier trial stays in the file (this run's tasks or not)."""
+    of these tasks are not rerun, and every earlier trial stays in the file (this run's tasks or not). A
+    ridge / layers / fuser trial made with another adapter than this run's (or recorded without its adapter)
+    is never counted as done: ``RecordsError`` says which, so a retrained adapter is evaluated afresh."""
     earlier = as_trials(resume_json_lines(records), records) if records else []
+    labels = settings_label(adapters)
     ids = {t.id for t in tasks}
+    for t in earlier:
+        want = labels.get(ADAPTER_OF.get(t.method, ""))
+        if t.task_id in ids and t.method in methods and want is not None and t.adapter != want:
+            raise RecordsError(f"{records}: its {t.method} trials were made with adapter {t.adapter or '(not recorded)'}, "
+                               f"this run's is {want}; give another --records file (or drop that method's lines)")
     sink = (lambda trial: append_json_lines(records, trial_rows([trial]))) if records else None
     return run_tasks(r_lm, s_lm, adapters["adapter"], tasks, methods, max_new_tokens=max_new_tokens,
                      progress=progress, done=[t for t in earlier if t.task_id in ids], sink=sink,
-                     fuser=adapters["fuser"], layers=adapters["layers"])
+                     fuser=adapters["fuser"], layers=adapters["layers"], labels=labels)
 
 
 def settings_label(adapters: dict) -> dict:
