@@ -76,7 +76,7 @@ def test_selected_positions_keep_their_rope_phase(cases, arch, mode):
     lm, _, receiver, p = cases[arch]
     model = lm.model
     q_ids = receiver.prompt_ids("which code is blue")
-    req = PartialRequest(tuple(q_ids), Budget(fraction=0.3), mode=mode, sink=2, recent=3)
+    req = PartialRequest(tuple(q_ids), Budget(fraction=0.6), mode=mode, sink=2, recent=3)
     sel = select(p, req, model=model)
     assert sel.positions_kept < p.num_tokens  # something was dropped
     part = sel.compressed.decompress()
@@ -148,6 +148,45 @@ def test_request_wire_round_trip_and_refusals():
         Budget()
     with pytest.raises(InvalidInput, match="representation only"):
         PartialRequest((1,), Budget(top_k=3), encoding="evict:0.2+int8")
+    w = PartialRequest((5, 6, 7), Budget(fraction=0.25), window=2, pool=7)
+    assert PartialRequest.from_bytes(w.to_bytes()) == w
+    for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}):
+        with pytest.raises(InvalidInput, match="window|pool"):
+            PartialRequest((1,), Budget(top_k=3), **bad)
+
+
+def test_pooled_scores_take_the_window_and_keep_a_peak_s_neighbours():
+    """``pooled``: rows of the last ``window`` probe tokens only (probe token fastest within a KV group's
+    rows), then a max over ``pool`` neighbouring slots, so a peak keeps the slots around it."""
+    from kvrelay.kv.evict import AttentionProbe
+
+    B, H, group, q, T = 1, 2, 3, 4, 20
+    probs = torch.zeros(B, H, group, q, T)
+    probs[:, :, :, :2, 3] = 1.0  # the first two probe tokens look at slot 3
+    probs[:, :, :, 2:, 12] = 1.0  # the last two at slot 12
+    probe = AttentionProbe((probs.reshape(B, H, group * q, T),), tokens=q)
+    assert torch.equal(probe.pooled(), probe.scores)
+    last = probe.pooled(window=2)[0, 0, 0]  # (T,)
+    assert last[12] == 1.0 and last.sum() == 1.0  # slot 3 is not seen by the window
+    wide = probe.pooled(window=2, pool=5)[0, 0, 0]
+    assert wide[10:15].tolist() == [1.0] * 5 and wide.sum() == 5.0  # the peak and two slots either side
+    both = probe.pooled(pool=3)[0, 0, 1]  # (L, B, H_kv, T): the second KV head
+    assert both[2:5].tolist() == [0.5] * 3 and both[11:14].tolist() == [0.5] * 3
+    for bad in ({"pool": 2}, {"window": 0}):
+        with pytest.raises(ValueError):
+            probe.pooled(**bad)
+    with pytest.raises(ValueError, match="knows its tokens"):
+        AttentionProbe(probe.probs).pooled(window=2)
+
+
+def test_a_pooled_window_changes_what_is_kept(cases):
+    """The request's window and pool reach the selection (the same probe, other kept slots)."""
+    lm, sender, receiver, p = cases["llama"]
+    question = receiver.prompt_ids("what is the code")
+    plain = select(p, PartialRequest(tuple(question), Budget(fraction=0.6)), model=lm.model)
+    pooled = select(p, PartialRequest(tuple(question), Budget(fraction=0.6), window=2, pool=5), model=lm.model)
+    assert plain.positions_kept == pooled.positions_kept
+    assert not torch.equal(plain.kept, pooled.kept)
 
 
 def test_inspect_names_layout_and_partial_selection(cases):

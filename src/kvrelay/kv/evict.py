@@ -72,19 +72,43 @@ MODES = ("layerwise", "headwise", "shared")
 class AttentionProbe:
     """How probe queries attend to a payload's cached slots (the cache part of softmax, renormalised).
 
-    ``probs[l]`` is (B, H_kv, R, T): R = (query heads per KV head) × (probe tokens) rows, each a
-    distribution over the T slots (0 on slots layer l does not hold and on padding).
+    ``probs[l]`` is (B, H_kv, R, T): R = (query heads per KV head) × (probe tokens) rows, probe token
+    fastest, each a distribution over the T slots (0 on slots layer l does not hold and on padding).
+    ``tokens``: the probe tokens q (0 when not known: ``pooled`` then cannot take a window).
     """
 
     probs: tuple[torch.Tensor, ...]
+    tokens: int = 0
 
     @property
     def scores(self) -> torch.Tensor:
         """(L, B, H_kv, T): attention each cached slot receives, averaged over probe rows."""
         return torch.stack([p.mean(dim=2) for p in self.probs])
 
+    def pooled(self, *, window: int | None = None, pool: int = 1) -> torch.Tensor:
+        """(L, B, H_kv, T): ``scores`` over the rows of the last ``window`` probe tokens only (None: all),
+        then max-pooled over ``pool`` neighbouring slots (odd; 1: none), as SnapKV keeps the spans around
+        what its observation window attends to (arXiv 2404.14469): an answer sits next to the words a
+        question matches, and those draw the attention."""
+        if pool < 1 or pool % 2 == 0:
+            raise ValueError(f"pool must be an odd number of slots >= 1, got {pool}")
+        if window is not None and not (self.tokens and 1 <= window):
+            raise ValueError(f"a window of probe tokens needs window >= 1 and a probe that knows its tokens, "
+                             f"got window={window}, tokens={self.tokens}")
+        out = []
+        for p in self.probs:  # (B, H, R, T)
+            B, H, R, T = p.shape
+            if window is not None and window < self.tokens:
+                p = p.reshape(B, H, R // self.tokens, self.tokens, T)[:, :, :, -window:].reshape(B, H, -1, T)
+            s = p.mean(dim=2)  # (B, H, T)
+            if pool > 1:
+                s = torch.nn.functional.max_pool1d(s.reshape(B * H, 1, T), pool, stride=1, padding=pool // 2)
+                s = s.reshape(B, H, T)
+            out.append(s)
+        return torch.stack(out)
+
     def row(self, b: int, start: int) -> AttentionProbe:
-        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs))
+        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens)
 
 
 def _probe_tokens(p: KVPayload, probe_ids, n_probe: int) -> torch.Tensor:
@@ -132,7 +156,7 @@ def attention_probe(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) ->
         full = a.new_zeros(B, H, a.shape[2], T)
         full[..., T - T_l:] = a
         probs.append(full)  # (B, H_kv, R, T)
-    return AttentionProbe(tuple(probs))
+    return AttentionProbe(tuple(probs), q)
 
 
 def attention_scores(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> torch.Tensor:

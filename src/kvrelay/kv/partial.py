@@ -81,6 +81,8 @@ class PartialRequest:
     mode: str = "headwise"  # evict.MODES: per (layer, KV head), per layer, or one set
     sink: int = 4
     recent: int = 8
+    window: int | None = None  # score by the last ``window`` question tokens only (None: all of them)
+    pool: int = 1  # max-pool scores over this many neighbouring slots (odd; 1: none)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -89,6 +91,10 @@ class PartialRequest:
             raise InvalidInput(f"mode {self.mode!r}", f"mode must be one of {MODES}")
         if self.sink < 0 or self.recent < 1:
             raise InvalidInput(f"sink={self.sink}, recent={self.recent}", "need sink >= 0 and recent >= 1")
+        if self.window is not None and (type(self.window) is not int or self.window < 1):
+            raise InvalidInput(f"window {self.window!r}", "window must be None or an int >= 1 (question tokens)")
+        if type(self.pool) is not int or self.pool < 1 or self.pool % 2 == 0:
+            raise InvalidInput(f"pool {self.pool!r}", "pool must be an odd int >= 1 (slots)")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -101,7 +107,7 @@ class PartialRequest:
         d = {"format": REQUEST_FORMAT, "question_ids": list(self.question_ids), "fraction": self.budget.fraction,
              "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
              "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
-             "mode": self.mode, "sink": self.sink, "recent": self.recent}
+             "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -112,7 +118,8 @@ class PartialRequest:
                 raise CorruptPayload(f"not a {REQUEST_FORMAT} request")
             budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
             layers = tuple(d["layers"]) if d["layers"] is not None else None
-            return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"])
+            return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"],
+                       d.get("window"), d.get("pool", 1))
         except CorruptPayload:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -172,14 +179,14 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
         probe = attention_probe(model, p, list(request.question_ids))
     score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores = probe.scores  # (L, 1, H_kv, T)
+    scores = probe.pooled(window=request.window, pool=request.pool)  # (L, 1, H_kv, T)
     T = p.num_tokens
     n = request.budget.positions(T)
     fixed, _ = _fixed(p, request)
     n = max(n, fixed)
-    c = compress(p, _codec(request, _keep_for(p, request, n)), probe=probe, sink=request.sink, recent=request.recent)
+    c = compress(p, _codec(request, _keep_for(p, request, n)), scores=scores, sink=request.sink, recent=request.recent)
     if request.budget.nbytes is not None and c.nbytes > request.budget.nbytes:
-        c = _fit_bytes(p, request, probe, n, c)
+        c = _fit_bytes(p, request, scores, n, c)
     keep = c.codec.stages[-1].keep
     sent = p
     if request.layers is not None:  # the selection is made on the layers that travel
@@ -196,17 +203,17 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     return PartialSelection(c, kept, int(plan.shape[2]), T, score_s, time.perf_counter() - t1)
 
 
-def _fit_bytes(p, request: PartialRequest, probe: AttentionProbe, n: int, c: Compressed) -> Compressed:
+def _fit_bytes(p, request: PartialRequest, scores: torch.Tensor, n: int, c: Compressed) -> Compressed:
     """The largest selection of at most ``n`` positions within the byte budget (bytes grow with positions)."""
     fixed, _ = _fixed(p, request)
-    lo_c = compress(p, _codec(request, 0.0), probe=probe, sink=request.sink, recent=request.recent)
+    lo_c = compress(p, _codec(request, 0.0), scores=scores, sink=request.sink, recent=request.recent)
     if lo_c.nbytes >= request.budget.nbytes or n <= fixed:
         return lo_c  # the sinks and the recent tail are never dropped
     lo, hi = fixed, n  # bytes(lo) <= budget < bytes(hi)
     best = lo_c
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        m = compress(p, _codec(request, _keep_for(p, request, mid)), probe=probe, sink=request.sink,
+        m = compress(p, _codec(request, _keep_for(p, request, mid)), scores=scores, sink=request.sink,
                      recent=request.recent)
         if m.nbytes <= request.budget.nbytes:
             lo, best = mid, m

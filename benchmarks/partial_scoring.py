@@ -1,0 +1,99 @@
+"""Which scoring lets a receiver's question pick the positions it needs: an ablation of receiver-driven
+partial relay's selection at one budget.
+
+    .venv/bin/python benchmarks/partial_scoring.py --model qwen2.5-coder-0.5b --tasks squad,gen_easy \\
+        --limit 20 --budget 0.25 --json docs/bench/partial_scoring_qwen2.5-coder-0.5b.json
+
+On each task the sender reads the document (the audit's roles, as ``kvrelay bench partial``), the
+receiver's prompt is run once over the sender's cache (``evict.attention_probe``), and the receiver
+answers from the partial payload each variant selects from those same attention rows at ``--budget``
+of the positions; ``full`` is the whole payload. A variant is (``window``: score by the last N prompt
+tokens only, or all; ``pool``: max-pool the scores over that many neighbouring slots; ``mode``:
+per (layer, KV head) or per layer). Per variant: accuracy in points, the paired difference against
+``full`` with its BCa CI, and the share of tasks where the receiver's answer equals full relay's.
+Nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+VARIANTS = [  # (window, pool, mode)
+    (None, 1, "headwise"), (None, 7, "headwise"), (8, 1, "headwise"), (8, 7, "headwise"),
+    (None, 7, "layerwise"), (8, 7, "layerwise"), (16, 7, "layerwise"), (8, 15, "layerwise"),
+]
+
+
+def name(window, pool, mode) -> str:
+    return f"window={window or 'all'},pool={pool},{mode}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--tasks", default="squad,gen_easy")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from kvrelay.agents.agent import Agent
+    from kvrelay.agents.partial import partial_relay
+    from kvrelay.audit.bootstrap import bca_ci
+    from kvrelay.audit.runner import RECEIVER_ROLE, SENDER_ROLE
+    from kvrelay.audit.tasks import load_tasks
+    from kvrelay.audit.tasks.scoring import score
+    from kvrelay.kv.evict import attention_probe
+    from kvrelay.kv.partial import Budget
+    from kvrelay.models.loader import load_model
+
+    lm = load_model(a.model)
+    sender = Agent(lm, "sender", SENDER_ROLE)
+    receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=a.max_new_tokens)
+    tasks = [t for s in a.tasks.split(",") for t in load_tasks(s, a.limit)]
+    rows: dict[str, list[float]] = {"full": []}
+    same: dict[str, list[bool]] = {}
+    for task in tqdm(tasks, desc="partial scoring"):
+        payload = sender.read(task.context)
+        full = receiver.respond(task.prompt, payload)
+        rows["full"].append(score(task, full.text))
+        probe = attention_probe(sender.model, payload, receiver.prompt_ids(task.prompt))
+        for w, pool, mode in VARIANTS:
+            o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
+                              window=w, pool=pool, mode=mode)
+            rows.setdefault(name(w, pool, mode), []).append(score(task, o.response.text))
+            same.setdefault(name(w, pool, mode), []).append(o.response.token_ids == full.token_ids)
+    base = np.array(rows["full"])
+    out = []
+    for k, xs in rows.items():
+        x = np.array(xs)
+        acc = bca_ci(x * 100)
+        row = {"variant": k, "accuracy": acc.estimate, "ci_low": acc.low, "ci_high": acc.high, "n": len(xs)}
+        if k != "full":
+            d = bca_ci((x - base) * 100)
+            row |= {"delta_vs_full": d.estimate, "delta_ci_low": d.low, "delta_ci_high": d.high,
+                    "same_answer_as_full": float(np.mean(same[k]))}
+        out.append(row)
+    doc = {"model": a.model, "tasks": a.tasks, "limit": a.limit, "budget": a.budget,
+           "max_new_tokens": a.max_new_tokens, "rows": out,
+           "command": "python benchmarks/partial_scoring.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    for r in out:
+        print(f"{r['variant']:34s} {r['accuracy']:6.1f}  delta {r.get('delta_vs_full', 0):+6.1f} "
+              f"[{r.get('delta_ci_low', 0):+.1f}, {r.get('delta_ci_high', 0):+.1f}]  same {r.get('same_answer_as_full', 1):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
