@@ -40,6 +40,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported payload dtype {dtype}; expected one of {sorted(DTYPES)}")
 
 
+RAW = "raw"  # the codec of a decoded (float) payload, whose tensors can be read as they are
+
 STRING_FIELDS = ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format", "adapter", "engine")
 OPTIONAL_FIELDS = ("adapter", "engine")  # fields a kvrelay/1 writer may omit (added after the format was first published)
 
@@ -57,7 +59,7 @@ class PayloadMeta:
     sliding_window: int | None
     rope: tuple[RopeSpec, ...]  # one per distinct layer type
     dtype: str = "float32"
-    codec: str = "raw"
+    codec: str = RAW
     producer: str = ""
     round: int = 0
     created_at: float = field(default_factory=time.time)
