@@ -69,6 +69,13 @@ def field_of(m: PayloadMeta, **kw) -> str:
     return e.value.field
 
 
+def test_a_model_and_its_payload_find_the_rope_of_each_layer_type_alike():
+    for holder in (IDENT, meta()):
+        assert holder.rope_for(FULL) is ROPE[0] and holder.rope_for(SLIDING) is ROPE[1]
+        with pytest.raises(KeyError, match="no rope parameters for layer type 'other'"):
+            holder.rope_for("other")
+
+
 def test_own_payload_is_compatible_complete_or_not():
     check_meta(meta(), IDENT)
     check_meta(meta(), IDENT, complete=True)

@@ -24,7 +24,7 @@ import torch
 
 from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.layout import LAYER_TYPES, held_tokens, tensor_name
-from kvrelay.models.identity import ModelIdentity, RopeSpec
+from kvrelay.models.identity import ModelIdentity, RopeSpec, rope_for
 
 FORMAT = "kvrelay/1"
 # Positions of real tokens lie in [0, MAX_POSITION]: far past any model's context, and small enough that
@@ -98,10 +98,7 @@ class PayloadMeta:
         return self.layer_indices == tuple(range(self.num_model_layers))
 
     def rope_for(self, layer_type: str) -> RopeSpec:
-        for spec in self.rope:
-            if spec.layer_type == layer_type:
-                return spec
-        raise KeyError(f"no rope parameters for layer type {layer_type!r}")
+        return rope_for(self.rope, layer_type)
 
     def to_strings(self) -> dict[str, str]:
         """Flat ``str -> str`` form (safetensors ``__metadata__``)."""
