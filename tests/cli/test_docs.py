@@ -88,9 +88,9 @@ def test_help_lists_what_the_code_has():
 
 def test_engine_names_match_the_engine_modes():
     from kvrelay.cli.validate import ENGINES
-    from kvrelay.models.engine import ENGINES as MODES
+    from kvrelay.models.engine import ENGINES as MODE_NAMES
 
-    assert ENGINES == (*MODES, "auto")
+    assert ENGINES == (*MODE_NAMES, "auto")
 
 
 def test_workflow_toml_in_the_docs_is_the_shipped_example():
