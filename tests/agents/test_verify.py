@@ -175,3 +175,9 @@ def test_the_corpus_run_resumes_from_its_records_and_covers_every_engine_mode(tm
     redo = trust.run_corpus("tiny:qwen2", k=4, genuine=n, context_tokens=64, trials=2, records=records, lm=lm)
     assert redo["false_positives"]["payloads_per_engine"] == fp["payloads_per_engine"]
     assert [json.loads(line)["id"] for line in records.read_text().splitlines()[len(lines):]] == ["genuine:1"]
+    # a last line cut by a killed run is dropped (with a warning), and the records stay valid JSON lines
+    whole = records.read_text()
+    records.write_text(whole + '{"id": "genuine:')
+    with pytest.warns(UserWarning, match="unfinished last record"):
+        trust.run_corpus("tiny:qwen2", k=4, genuine=n, context_tokens=64, trials=2, records=records, lm=lm)
+    assert records.read_text() == whole

@@ -88,9 +88,9 @@ def test_help_lists_what_the_code_has():
 
 def test_engine_names_match_the_engine_modes():
     from kvrelay.cli.validate import ENGINES
-    from kvrelay.models.engine import ENGINES as MODES
+    from kvrelay.models.engine import ENGINES as MODE_NAMES
 
-    assert ENGINES == (*MODES, "auto")
+    assert ENGINES == (*MODE_NAMES, "auto")
 
 
 def test_workflow_toml_in_the_docs_is_the_shipped_example():
@@ -113,3 +113,20 @@ def test_every_kr_name_in_the_api_page_exists():
 
     names = set(re.findall(r"`kr\.([A-Za-z_]+)", (ROOT / "docs" / "api.md").read_text()))
     assert names and names <= set(kr.__all__), sorted(names - set(kr.__all__))
+
+
+def test_the_commands_docs_engine_md_says_take_engine_are_those_that_do():
+    """docs/engine.md lists the commands with ``--engine``; the command tree has exactly those."""
+    def with_engine(cmd, path=()):
+        if any("--engine" in p.opts for p in cmd.params):
+            yield " ".join(path)
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from with_engine(sub, (*path, name))
+
+    text = (ROOT / "docs" / "engine.md").read_text(encoding="utf-8")
+    sentence = text[text.index("These commands take `--engine`"):text.index("`kvrelay bench engine` takes several")]
+    listed = set()
+    for item in re.findall(r"`([^`]+)`", sentence)[2:]:  # past `--engine` and the default's name
+        *group, names = item.split()
+        listed |= {" ".join((*group, name)) for name in names.split("|")}
+    assert listed == set(with_engine(get_command(app)))

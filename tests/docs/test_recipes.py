@@ -1,6 +1,7 @@
 """docs/recipes.md runs as written, on tiny random models: each Python block with its model names (and the
-Redis URL) swapped, and the commands of recipes 1 and 3 through the CLI. The other commands' options are
-checked by tests/cli/test_docs.py."""
+Redis URL) swapped, and the commands of recipes 1 and 3 through the CLI (recipe 3 on the inputs file it
+writes, its workflow's answers cut to 4 tokens). The other commands' options are checked by
+tests/cli/test_docs.py."""
 
 from __future__ import annotations
 
@@ -81,13 +82,30 @@ def test_recipe_2_a_fitted_adapter_on_your_own_question(at_root, capsys, tmp_pat
     assert names["answer"].relayed_tokens == names["reading"].num_tokens  # the answer continued the mapped cache
 
 
-def test_recipe_3_audit_on_built_in_sets(tmp_path):
-    argv = command("## 3.", {"qwen2.5-coder-0.5b": "tiny:qwen2:3", "gen_easy:24,squad:24": "gen_easy:2",
-                             "out/audit-mine": str(tmp_path / "a")})
+def test_recipe_3_audit_one_edge_of_your_workflow(tmp_path):
+    """The recipe's inputs file and command, with the workflow's answers cut to 4 tokens: every default arm
+    runs on every input and seed, and the summary holds the contrasts the recipe tells one to read."""
+    from kvrelay.audit.edge import EDGE_ARMS
+
+    section = MD[MD.index("## 3."):MD.index("## 4.")]
+    inputs = tmp_path / "review_inputs.jsonl"
+    inputs.write_text(re.search(r"<<'EOF'\n(.*?)EOF\n", section, re.S).group(1), encoding="utf-8")
+    wf = tmp_path / "review2.toml"
+    wf.write_text((ROOT / "docs/demo/review2.toml").read_text().replace("max_new_tokens = 32", "max_new_tokens = 4"))
+    out = tmp_path / "audit-review"
+    argv = command("## 3.", {"docs/demo/review2.toml": str(wf), "out/review_inputs.jsonl": str(inputs),
+                             "qwen2.5-coder-0.5b": "tiny:qwen2", "out/audit-review": str(out)})
     res = CliRunner().invoke(app, argv)
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "a" / "summary.json").is_file() and (tmp_path / "a" / "records.jsonl").is_file()
-    assert CliRunner().invoke(app, ["audit", "report", str(tmp_path / "a")]).exit_code == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    seeds = [int(s) for s in argv[argv.index("--seeds") + 1].split(",")]
+    assert {(r["task_id"], r["arm"], r["seed"]) for r in records} == {
+        (f"reader->fixer/{i}", a, s) for i in ("mean", "last", "is_even") for a in EDGE_ARMS for s in seeds}
+    summary = json.loads((out / "summary.json").read_text())
+    read = {e["contrast"] for e in summary["effects"] if e["task"] == "reader->fixer" and e["outcome"] == "success"}
+    assert {"pairing", "kv_vs_none", "kv_vs_text_full"} <= read and summary["verdict"]
+    assert (out / "report.html").is_file()
+    assert CliRunner().invoke(app, ["audit", "report", str(out)]).exit_code == 0
 
 
 def test_recipe_4_variants_with_a_repair(at_root, capsys):

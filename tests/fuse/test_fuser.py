@@ -10,12 +10,13 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.tasks.task import Task
-from kvrelay.core.errors import AdapterMismatch
+from kvrelay.core.errors import AdapterMismatch, IncompatiblePayload
 from kvrelay.fuse import align, artefact
 from kvrelay.fuse import fuser as F
 from kvrelay.fuse import fuser_train as FT
 from kvrelay.fuse.bridge import TokenBridge
 from kvrelay.kv.cache import to_cache
+from kvrelay.kv.transforms import select_layers
 from kvrelay.models.generate import forward_all
 from kvrelay.models.tiny import tiny_lm
 
@@ -84,6 +85,10 @@ def test_artefact_round_trip_and_refusals(tmp_path, pair):
         loaded.adapt(p, other.identity)
     with pytest.raises(AdapterMismatch, match="sharer"):
         loaded.adapt(Agent(other).read("the code"), receiver.identity)
+    with pytest.raises(IncompatiblePayload, match="decode the payload with its codec first"):
+        loaded.adapt(p.with_meta(codec="int8"), receiver.identity)
+    with pytest.raises(IncompatiblePayload, match="layer_indices"):
+        loaded.adapt(select_layers(p, [0, 1]), receiver.identity)
     artefact.save(tmp_path / "r", replace(adapter.config, method="ridge"), adapter.tensors)
     with pytest.raises(ValueError, match="not a fuser"):
         F.FuserAdapter.load(tmp_path / "r", receiver)

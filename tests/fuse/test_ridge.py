@@ -58,6 +58,20 @@ def test_artefact_round_trip_and_fingerprint_refusal(tmp_path, pair, fitted):
         artefact.load(folder)
 
 
+def test_an_encoded_or_partial_reading_is_refused(pair, fitted):
+    from kvrelay.kv.transforms import select_layers
+
+    sharer, receiver = pair
+    adapter = ridge.RidgeAdapter(*fitted)
+    reading = Agent(sharer).prefill([2, 6, 8] + random_ids(6, 1))
+    with pytest.raises(IncompatiblePayload, match="decode the payload with its codec first") as e:
+        adapter.adapt(reading.with_meta(codec="int8"), receiver.identity)
+    assert e.value.field == "codec"
+    with pytest.raises(IncompatiblePayload) as e:
+        adapter.adapt(select_layers(reading, [1]), receiver.identity)
+    assert e.value.field == "layer_indices"
+
+
 def test_config_rejects_a_layer_map_of_the_wrong_length(fitted):
     config, _ = fitted
     with pytest.raises(ValueError, match="layer_map"):

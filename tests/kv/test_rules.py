@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvrelay.core.errors import IncompatiblePayload
-from kvrelay.kv.compat import check_meta
+from kvrelay.kv.compat import check_meta, require_raw
 from kvrelay.kv.layout import (
     FULL,
     LAYER_TYPES,
@@ -20,7 +20,7 @@ from kvrelay.kv.layout import (
     tensor_name,
     window_slots,
 )
-from kvrelay.kv.payload import PayloadMeta
+from kvrelay.kv.payload import RAW, PayloadMeta
 from kvrelay.models.identity import ModelIdentity, RopeSpec
 
 
@@ -69,6 +69,13 @@ def field_of(m: PayloadMeta, **kw) -> str:
     return e.value.field
 
 
+def test_a_model_and_its_payload_find_the_rope_of_each_layer_type_alike():
+    for holder in (IDENT, meta()):
+        assert holder.rope_for(FULL) is ROPE[0] and holder.rope_for(SLIDING) is ROPE[1]
+        with pytest.raises(KeyError, match="no rope parameters for layer type 'other'"):
+            holder.rope_for("other")
+
+
 def test_own_payload_is_compatible_complete_or_not():
     check_meta(meta(), IDENT)
     check_meta(meta(), IDENT, complete=True)
@@ -77,6 +84,22 @@ def test_own_payload_is_compatible_complete_or_not():
     with pytest.raises(IncompatiblePayload, match="a receiver needs every layer") as e:
         check_meta(part, IDENT, complete=True)
     assert (e.value.field, e.value.expected, e.value.got) == ("layer_indices", (0, 1, 2), (1, 2))
+
+
+def test_reading_tensors_needs_a_decoded_payload_and_with_complete_every_layer():
+    require_raw(meta())
+    require_raw(meta(), complete=True)
+    with pytest.raises(IncompatiblePayload, match="decode the payload with its codec first") as e:
+        require_raw(meta(codec="int8-g32"))
+    assert (e.value.field, e.value.expected, e.value.got) == ("codec", RAW, "int8-g32")
+    part = meta(layer_indices=(1, 2), layer_types=(FULL, SLIDING))
+    require_raw(part)  # a partial raw payload can be read; an adapter that maps every layer needs them all
+    with pytest.raises(IncompatiblePayload) as e:
+        require_raw(part, complete=True)
+    assert (e.value.field, e.value.expected, e.value.got) == ("layer_indices", (0, 1, 2), (1, 2))
+    with pytest.raises(IncompatiblePayload) as e:
+        require_raw(replace(part, codec="fp16"), complete=True)
+    assert e.value.field == "layer_indices"  # the missing layers are named first
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -237,5 +237,5 @@ def test_mode_names_split_in_one_place():
 
 
 def ENGINES_MODES():
-    from kvrelay.models.engine import MODES
-    return MODES
+    from kvrelay.models.engine import ENGINE_MODES
+    return ENGINE_MODES

@@ -38,7 +38,7 @@ from kvrelay.models.prompt import PromptFormat, format_for
 from kvrelay.models.sampling import Sampler
 from kvrelay.models.speculative import SpecStats
 
-LAYOUTS = ("continue", "replace")
+LAYOUTS = ("continue", "replace")  # where a relayed cache sits: docs/layouts.md
 READER_ROLE = "You are a careful reader. Read the document."  # the sender of `kvrelay relay` / `kvrelay read`
 Context = KVPayload | str | Sequence[int] | torch.Tensor | None
 

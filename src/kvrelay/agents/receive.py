@@ -30,7 +30,7 @@ from kvrelay.core.errors import (
     StalePayload,
 )
 from kvrelay.fuse.adapter import Adapter
-from kvrelay.kv.compat import check_meta
+from kvrelay.kv.compat import check_meta, require_raw
 from kvrelay.kv.payload import KVPayload
 from kvrelay.models.identity import ModelIdentity
 
@@ -57,8 +57,7 @@ def adapt_if_needed(p: KVPayload, ident: ModelIdentity, adapter: Adapter | None)
 
 
 def check_geometry(p: KVPayload, ident: ModelIdentity) -> None:
-    if p.meta.codec != "raw":
-        raise IncompatiblePayload("codec", "raw", p.meta.codec, "decode the payload with its codec first")
+    require_raw(p.meta)
     if ident.vocab_size is not None:
         real = p.token_ids[p.mask]
         top = int(real.max()) if real.numel() else -1

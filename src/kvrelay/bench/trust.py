@@ -54,6 +54,7 @@ from kvrelay.core.errors import (
     StalePayload,
     UnsignedPayload,
 )
+from kvrelay.core.jsonl import append_json_lines, resume_json_lines
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.sign import Key, Keyring, sign_parts
@@ -221,20 +222,6 @@ def _hit_probability(T: int, m: int, k: int) -> float:
                           - math.lgamma(T + 1)) if T - m >= k else 1.0
 
 
-def _load_records(path: Path | None) -> dict[str, dict]:
-    if path is None or not path.exists():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["id"]: r for r in rows}
-
-
-def _append(path: Path | None, row: dict) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: int = 2048, trials: int = 20,
                records: Path | None = None, threads: int | None = None, engine: str = "fp32", lm=None,
                progress: Callable[[dict], None] | None = None) -> dict:
@@ -249,7 +236,7 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
             torch.set_num_threads(threads)
         lm = load_model(model, engine=engine)
     load_before = list(os.getloadavg())
-    done = _load_records(records)
+    done = {r["id"]: r for r in resume_json_lines(records)} if records is not None else {}
     p = _read(lm, _text(lm.tokenizer, context_tokens, "prose", 0), context_tokens)
     rx = Receiver(lm, p.meta.created_at)
 
@@ -259,7 +246,8 @@ def run_corpus(model: str, *, k: int = 32, genuine: int = 200, context_tokens: i
 
     def finished(row: dict) -> None:
         done[row["id"]] = row
-        _append(records, row)
+        if records is not None:
+            append_json_lines(records, [row])
         if progress is not None:
             progress(result())
 

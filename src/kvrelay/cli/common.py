@@ -15,7 +15,6 @@ One place each, so that every command behaves the same way:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+
+from kvrelay.core.atomic import write_json_atomic
 
 GLOBAL_FLAGS = ("--debug", "--quiet")
 QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -98,13 +99,9 @@ def write_json(path: Path | None, obj: dict, *, console: Console | None = None) 
     """Write ``obj`` as indented JSON to ``path`` atomically; adds ``command`` when ``obj`` has none."""
     if path is None:
         return None
-    path = Path(path)
     if "command" not in obj:
         obj = {**obj, "command": command_line()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    path = write_json_atomic(path, obj)
     (console or err_console).print(f"wrote {path}", markup=False, highlight=False)
     return path
 

@@ -5,11 +5,11 @@ trials land), so a killed run is continued by running it again."""
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvrelay.core.atomic import write_text_atomic
 from kvrelay.core.errors import RecordsError
 
 
@@ -46,10 +46,7 @@ def read_json_lines(path: Path | str, *, cut_tail_ok: bool = False) -> list[dict
 def write_json_lines(path: Path | str, rows: Iterable[dict]) -> None:
     """Replace ``path`` with ``rows``, one JSON object per line, atomically (a temporary file renamed over
     it): a resumed run rewrites its records without a cut last line, and a crash mid-write loses nothing."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def resume_json_lines(path: Path | str) -> list[dict]:

@@ -31,7 +31,8 @@ from kvrelay.core.errors import IncompatiblePayload
 from kvrelay.fuse import align, artefact
 from kvrelay.fuse.adapter import stamp
 from kvrelay.fuse.bridge import TokenBridge, read, sharer_features
-from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.compat import require_raw
+from kvrelay.kv.payload import RAW, KVPayload
 from kvrelay.models.identity import ModelIdentity
 
 GATE_INIT = 1.0  # gates start open (logit > 0); training closes the layers that do not help
@@ -161,8 +162,7 @@ class FuserAdapter:
             raise IncompatiblePayload("tokenizer_hash", self.config.sharer.tokenizer_hash, m.tokenizer_hash)
         if payload.batch_size != 1 or not bool(payload.mask.all()):
             raise ValueError("the fuser maps one unpadded row at a time (split the batch)")
-        if not m.complete or m.codec != "raw":
-            raise IncompatiblePayload("layer_indices", "every sharer layer, raw", (m.layer_indices, m.codec))
+        require_raw(m, complete=True)
         if int(payload.positions[0, 0]) != 0:
             raise ValueError("the fuser fuses readings that start at position 0")
         r_ids, index = self.bridge.receiver_reading(payload.token_ids[0].tolist())
@@ -175,7 +175,7 @@ class FuserAdapter:
         feats = {s: sharer_features(sharer, s)[:, index] for s in set(self.config.layer_map)}  # (1, T_r, F)
         with torch.no_grad():
             keys, values = fuse_kv(self.net, own, feats, self.config.layer_map, receiver, gate_values(self.net.gate))
-        meta = replace(stamp(sharer.meta, receiver, self), dtype=own.meta.dtype, codec="raw")
+        meta = replace(stamp(sharer.meta, receiver, self), dtype=own.meta.dtype, codec=RAW)
         return KVPayload(tuple(keys), tuple(values), own.token_ids, own.positions, own.mask, meta)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from kvrelay.core.errors import IncompatiblePayload
 from kvrelay.fuse.recompute import RecomputePlan, RepairStats, selective_recompute
+from kvrelay.kv.compat import require_raw
 from kvrelay.kv.payload import KVPayload
 
 __all__ = ["RecomputeAdapter", "RecomputePlan", "RepairSpec", "RepairStats", "parse_repair", "repair_adapter",
@@ -149,8 +150,7 @@ class RecomputeAdapter:
                                      (p.keys[0].shape[1], p.keys[0].shape[3]))):
             if mine != theirs:
                 raise IncompatiblePayload(field, mine, theirs, "recompute repairs siblings of one base model only")
-        if m.codec != "raw":
-            raise IncompatiblePayload("codec", "raw", m.codec, "decode the payload with its codec first")
+        require_raw(m)
 
     def plan(self, p: KVPayload) -> RecomputePlan:
         block = None

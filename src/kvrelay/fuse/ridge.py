@@ -30,8 +30,9 @@ from kvrelay.core.errors import IncompatiblePayload
 from kvrelay.fuse import align, artefact
 from kvrelay.fuse.adapter import stamp
 from kvrelay.fuse.bridge import TokenBridge, flat_heads, pre_rope_kv, read, sharer_features, unflat_heads
+from kvrelay.kv.compat import require_raw
 from kvrelay.kv.layout import held_tokens
-from kvrelay.kv.payload import KVPayload
+from kvrelay.kv.payload import RAW, KVPayload
 from kvrelay.models.identity import ModelIdentity
 
 ALPHAS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength, relative to the mean feature variance
@@ -231,8 +232,7 @@ def check_source(config: artefact.ArtefactConfig, where: str, payload: KVPayload
         raise IncompatiblePayload("tokenizer_hash", config.sharer.tokenizer_hash, m.tokenizer_hash)
     if payload.batch_size != 1 or not bool(payload.mask.all()):
         raise ValueError(f"{where} maps one unpadded row at a time (split the batch)")
-    if not m.complete or m.codec != "raw":
-        raise IncompatiblePayload("layer_indices", "every sharer layer, raw", (m.layer_indices, m.codec))
+    require_raw(m, complete=True)
 
 
 def map_layers(config: artefact.ArtefactConfig, tensors: dict, bridge: TokenBridge, payload: KVPayload,
@@ -262,7 +262,7 @@ def map_layers(config: artefact.ArtefactConfig, tensors: dict, bridge: TokenBrid
         keys.append(k[:, :, -held:].contiguous())
         values.append(v[:, :, -held:].contiguous())
     ids_t = torch.tensor([r_ids], dtype=torch.int64)
-    meta = replace(stamp(payload.meta, receiver, adapter, layer_indices=layers), dtype="float32", codec="raw")
+    meta = replace(stamp(payload.meta, receiver, adapter, layer_indices=layers), dtype="float32", codec=RAW)
     return KVPayload(tuple(keys), tuple(values), ids_t, pos, torch.ones_like(ids_t, dtype=torch.bool), meta)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvrelay.core.errors import CorruptPayload
-from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, evict, key_norm_scores
+from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, attention_probe, evict, key_norm_scores
 from kvrelay.kv.layout import tensor_name
 from kvrelay.kv.payload import DTYPES, KVPayload, PayloadMeta, payload_tensors
 from kvrelay.kv.quant import QuantizedPayload, dequantize, quantize
@@ -83,7 +83,7 @@ class Layers:
 @dataclass(frozen=True, slots=True)
 class Evict:
     keep: float
-    mode: str  # one of evict.MODES
+    mode: str  # one of evict.EVICTION_MODES
     obf: bool
 
     @property
@@ -345,5 +345,5 @@ def apply(p: KVPayload, name: str, **ctx) -> KVPayload:
     return decompress(compress(p, name, **ctx))
 
 
-__all__ = ["MODES", "Codec", "Compressed", "apply", "available_codecs", "codec_of", "compress", "decompress", "parse",
+__all__ = ["EVICTION_MODES", "Codec", "Compressed", "apply", "available_codecs", "codec_of", "compress", "decompress", "parse",
            "raw_nbytes_of"]

@@ -10,7 +10,7 @@ model are never used directly; they pass through an adapter first (``kvrelay.age
 from __future__ import annotations
 
 from kvrelay.core.errors import EngineMismatch, IncompatiblePayload
-from kvrelay.kv.payload import FORMAT, PayloadMeta
+from kvrelay.kv.payload import FORMAT, RAW, PayloadMeta
 from kvrelay.models.identity import ModelIdentity
 
 
@@ -30,6 +30,21 @@ def check_meta(m: PayloadMeta, ident: ModelIdentity, *, complete: bool = False) 
             raise IncompatiblePayload(field, mine, theirs)
     if m.engine != ident.engine:
         raise EngineMismatch(ident.engine, m.engine)
-    if complete and not m.complete:
-        raise IncompatiblePayload("layer_indices", tuple(range(ident.num_layers)), m.layer_indices,
+    if complete:
+        require_complete(m)
+
+
+def require_complete(m: PayloadMeta) -> None:
+    """Raise ``IncompatiblePayload`` (field ``layer_indices``) unless ``m`` holds every model layer."""
+    if not m.complete:
+        raise IncompatiblePayload("layer_indices", tuple(range(m.num_model_layers)), m.layer_indices,
                                   "a receiver needs every layer")
+
+
+def require_raw(m: PayloadMeta, *, complete: bool = False) -> None:
+    """The precondition of code that reads a payload's K/V tensors as they are: decoded by its codec (codec
+    ``raw``) and, with ``complete``, holding every model layer. ``IncompatiblePayload`` naming the field."""
+    if complete:
+        require_complete(m)
+    if m.codec != RAW:
+        raise IncompatiblePayload("codec", RAW, m.codec, "decode the payload with its codec first")

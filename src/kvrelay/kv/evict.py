@@ -64,7 +64,7 @@ from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import pad_batch, unpad_row
 from kvrelay.models.attention import eager_attention
 
-MODES = ("layerwise", "headwise", "shared")
+EVICTION_MODES = ("layerwise", "headwise", "shared")  # what one kept set is chosen for: each (layer, KV head), each layer, all
 
 
 # -- scores ----------------------------------------------------------------------------------
@@ -191,8 +191,8 @@ def recent_floor(p: KVPayload, recent: int) -> int:
 
 
 def _check(p: KVPayload, scores: torch.Tensor, keep: float, sink: int, recent: int, mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in EVICTION_MODES:
+        raise ValueError(f"mode must be one of {EVICTION_MODES}, got {mode!r}")
     if not 0.0 <= keep <= 1.0:
         raise ValueError(f"keep must be a fraction in [0, 1], got {keep}")
     if sink < 0 or recent < 1:

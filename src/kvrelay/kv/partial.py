@@ -36,7 +36,7 @@ import torch
 
 from kvrelay.core.errors import CorruptPayload, InvalidInput
 from kvrelay.kv.codecs import Codec, Compressed, Evict, Layers, compress, parse
-from kvrelay.kv.evict import MODES, AttentionProbe, attention_probe, eviction_plan, recent_floor
+from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, attention_probe, eviction_plan, recent_floor
 from kvrelay.kv.transforms import select_layers
 
 REQUEST_FORMAT = "kvrelay-partial-request/1"
@@ -78,7 +78,7 @@ class PartialRequest:
     budget: Budget
     layers: tuple[int, ...] | None = None  # a layer subset (model indices); None = every layer
     encoding: str = "raw"  # the codec's representation: raw | fp16 | bf16 | int8 | int4 | intN-gG
-    mode: str = "headwise"  # evict.MODES: per (layer, KV head), per layer, or one set
+    mode: str = "headwise"  # evict.EVICTION_MODES: per (layer, KV head), per layer, or one set
     sink: int = 4
     recent: int = 8
     window: int | None = None  # score by the last ``window`` question tokens only (None: all of them)
@@ -87,8 +87,8 @@ class PartialRequest:
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
             raise InvalidInput("question_ids", "question_ids must be a non-empty tuple of token ids (ints >= 0)")
-        if self.mode not in MODES:
-            raise InvalidInput(f"mode {self.mode!r}", f"mode must be one of {MODES}")
+        if self.mode not in EVICTION_MODES:
+            raise InvalidInput(f"mode {self.mode!r}", f"mode must be one of {EVICTION_MODES}")
         if self.sink < 0 or self.recent < 1:
             raise InvalidInput(f"sink={self.sink}, recent={self.recent}", "need sink >= 0 and recent >= 1")
         if self.window is not None and (type(self.window) is not int or self.window < 1):

@@ -24,7 +24,7 @@ import torch
 
 from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.layout import LAYER_TYPES, held_tokens, tensor_name
-from kvrelay.models.identity import ModelIdentity, RopeSpec
+from kvrelay.models.identity import ModelIdentity, RopeSpec, rope_for
 
 FORMAT = "kvrelay/1"
 # Positions of real tokens lie in [0, MAX_POSITION]: far past any model's context, and small enough that
@@ -39,6 +39,8 @@ def dtype_name(dtype: torch.dtype) -> str:
             return name
     raise ValueError(f"unsupported payload dtype {dtype}; expected one of {sorted(DTYPES)}")
 
+
+RAW = "raw"  # the codec of a decoded (float) payload, whose tensors can be read as they are
 
 STRING_FIELDS = ("model_fingerprint", "tokenizer_hash", "arch", "dtype", "codec", "producer", "format", "adapter", "engine")
 OPTIONAL_FIELDS = ("adapter", "engine")  # fields a kvrelay/1 writer may omit (added after the format was first published)
@@ -57,7 +59,7 @@ class PayloadMeta:
     sliding_window: int | None
     rope: tuple[RopeSpec, ...]  # one per distinct layer type
     dtype: str = "float32"
-    codec: str = "raw"
+    codec: str = RAW
     producer: str = ""
     round: int = 0
     created_at: float = field(default_factory=time.time)
@@ -96,10 +98,7 @@ class PayloadMeta:
         return self.layer_indices == tuple(range(self.num_model_layers))
 
     def rope_for(self, layer_type: str) -> RopeSpec:
-        for spec in self.rope:
-            if spec.layer_type == layer_type:
-                return spec
-        raise KeyError(f"no rope parameters for layer type {layer_type!r}")
+        return rope_for(self.rope, layer_type)
 
     def to_strings(self) -> dict[str, str]:
         """Flat ``str -> str`` form (safetensors ``__metadata__``)."""

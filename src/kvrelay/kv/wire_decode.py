@@ -22,7 +22,7 @@ from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.codecs import Compressed, decompress
 from kvrelay.kv.compat import check_meta
 from kvrelay.kv.layout import held_tokens, tensor_name
-from kvrelay.kv.payload import KVPayload, PayloadMeta, check_tokens
+from kvrelay.kv.payload import RAW, KVPayload, PayloadMeta, check_tokens
 from kvrelay.kv.transforms import select_layers, select_tokens
 from kvrelay.kv.wire_header import (
     MAX_HEADER_BYTES,
@@ -151,7 +151,7 @@ def _decode(buf: memoryview, h: Header, expect, layers, tokens, verify: bool) ->
     B, T = check_layout(_specs(h), m)  # every codec's tensors, before a byte is read
     js = _layer_positions(m, layers)
     r = _token_range(T, tokens)
-    if m.codec != "raw":
+    if m.codec != RAW:
         return _decode_codec(buf, h, m, js, r, verify)
 
     def read(name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:

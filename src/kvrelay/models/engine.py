@@ -76,14 +76,14 @@ def _mode(prefill: str, decode: str) -> EngineMode:
                       f"{prefill} prefill; {what} for one-token calls", nbytes)
 
 
-MODES = {m.name: m for m in (_mode(p, d) for p in PREFILLS for d in DECODES)}
-ENGINES = tuple(MODES)  # every concrete mode; "auto" resolves to one of them (``models.engine_auto``)
+ENGINE_MODES = {m.name: m for m in (_mode(p, d) for p in PREFILLS for d in DECODES)}
+ENGINES = tuple(ENGINE_MODES)  # every concrete mode; "auto" resolves to one of them (``models.engine_auto``)
 
 
 def mode(name: str) -> EngineMode:
-    if name not in MODES:
+    if name not in ENGINE_MODES:
         raise ValueError(f"engine must be one of {[*ENGINES, 'auto']}, got {name!r}")
-    return MODES[name]
+    return ENGINE_MODES[name]
 
 
 def precisions(name: str) -> tuple[str, str]:

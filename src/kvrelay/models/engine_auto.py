@@ -22,7 +22,6 @@ entry holds the key's parts, the measurements, the pick and the reason (``docs/e
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.core.atomic import write_json_atomic
 from kvrelay.core.paths import home
 from kvrelay.models.engine import mode_name
 
@@ -176,8 +176,5 @@ def pick_engine(lm, candidates=AUTO_DECODES, prefills=AUTO_PREFILLS) -> str:
              "model_fingerprint": lm.identity.fingerprint, "measured_at": time.time()}
     cache = _read_cache()
     cache[machine_key(lm.identity.fingerprint)] = entry
-    tmp = _cache_file().with_name(f"engine_auto.json.{os.getpid()}.tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps(cache, indent=1))
-    os.replace(tmp, _cache_file())
+    write_json_atomic(_cache_file(), cache, indent=1, end="")
     return c.engine

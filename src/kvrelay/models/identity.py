@@ -30,6 +30,14 @@ class RopeSpec:
         return torch.tensor(self.inv_freq, dtype=torch.float64)
 
 
+def rope_for(rope: tuple[RopeSpec, ...], layer_type: str) -> RopeSpec:
+    """The spec of ``layer_type`` among ``rope`` (a model's or a payload's, one per distinct layer type)."""
+    for spec in rope:
+        if spec.layer_type == layer_type:
+            return spec
+    raise KeyError(f"no rope parameters for layer type {layer_type!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
     fingerprint: str  # sha256 over canonical config + weights
@@ -52,10 +60,7 @@ class ModelIdentity:
             raise ValueError(f"no rope parameters for layer types {sorted(missing)}")
 
     def rope_for(self, layer_type: str) -> RopeSpec:
-        for spec in self.rope:
-            if spec.layer_type == layer_type:
-                return spec
-        raise KeyError(layer_type)
+        return rope_for(self.rope, layer_type)
 
 
 def _canonical_config(config) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.core.atomic import write_json_atomic
 from kvrelay.core.errors import UnknownModel
 from kvrelay.core.paths import home
 from kvrelay.models.engine import mode, with_engine
@@ -224,9 +225,7 @@ def _cached_file_sha256(path: Path) -> str:
         return hit["sha256"]
     digest = file_sha256(path)
     cache[str(path)] = {"stamp": stamp, "sha256": digest}
-    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1))
-    os.replace(tmp, cache_file)  # atomic: concurrent writers lose an entry at worst, never corrupt the file
+    write_json_atomic(cache_file, cache, indent=1, end="")  # concurrent writers lose an entry at worst
     return digest
 
 

@@ -39,7 +39,7 @@ from kvrelay.workflows.executors import Executor, InProcessExecutor
 from kvrelay.workflows.spec import Workflow
 from kvrelay.workflows.turn import TurnOut, take_turn, turn_ids  # noqa: F401 - turn_ids/take_turn: public here too
 
-MODES = ("text", "kv")
+RUN_MODES = ("text", "kv")  # run_workflow(mode=...): every edge re-encoded as text, or each edge as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +193,8 @@ def run_workflow(executor_or_lm, wf: Workflow, context: str, *, mode: str = "kv"
     ``executor_or_lm``: an ``Executor`` (``workflows.executors``), or a loaded model to run in process.
     ``policy``: decides the ``auto`` edges (``workflows.auto``); keep one across runs so its switch learns.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in RUN_MODES:
+        raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
     ex = executor_or_lm if isinstance(executor_or_lm, Executor) else InProcessExecutor(executor_or_lm)
     plan = wf if mode == "kv" else wf.with_channels("text")
     auto = [e for e in plan.edges if e.channel == "auto"]

@@ -37,12 +37,12 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 
+from kvrelay.agents.agent import LAYOUTS
 from kvrelay.agents.verify import VerifySpec
 from kvrelay.core.errors import InvalidWorkflow
 
 CHANNELS = ("text", "kv", "kv+text", "auto")
 RELAYING = ("kv", "auto")  # single-edge channels that may hand the sender's whole-turn cache on
-LAYOUTS = ("continue", "replace")
 ON_REFUSED = ("stop", "text")  # what a receiver does when it refuses an edge's relayed payload
 
 
