@@ -112,3 +112,21 @@ def test_read_respond_equals_relay_on_a_real_model(tmp_path):
                    "by the number of orders, which is zero on holidays.\n")
     want = relay_answer("smollm2-135m", ctx, tmp_path, "--max-new-tokens", "24")
     assert split_relay("smollm2-135m", ctx, tmp_path, "--max-new-tokens", "24") == (want["kv_answer"].strip(),) * 2
+
+
+def test_respond_max_bytes_refuses_a_payload_that_decodes_to_more_before_decoding_it(tmp_path):
+    """The budget counts the decoded payload (fp32 here), not the fp16 file; over it: one error line, exit 2."""
+    from kvrelay.kv import wire
+
+    path = kvrelay("read", "--model", "tiny:qwen2", "--context-text", CONTEXT, "--out", str(tmp_path / "p.kv")).stdout
+    data = (tmp_path / "p.kv").read_bytes()
+    n = wire.decoded_nbytes(data)
+    assert len(data) < n
+    ask = ("respond", "--model", "tiny:qwen2", "--payload", path.strip(), "--question", QUESTION, "--max-new-tokens", "4")
+    r = kvrelay(*ask, "--max-bytes", str(n - 1), check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [r.stderr.strip().splitlines()[-1]]
+    assert f"a payload of {n} bytes does not fit the byte budget of {n - 1}" in r.stderr
+    assert kvrelay(*ask, "--max-bytes", str(n)).stdout == kvrelay(*ask).stdout
+    r = kvrelay(*ask, "--max-bytes", "0", check=False)
+    assert r.returncode == 2 and "--max-bytes 0 is too small" in r.stderr

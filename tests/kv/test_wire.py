@@ -229,3 +229,20 @@ def test_decoded_tensors_own_their_memory(payload):
     data[:] = bytes(len(data))  # wipe the source buffer
     assert_same(p, payload)
     p.keys[0].add_(1)  # writable, and independent of any buffer
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp16", "bf16", "int8", "int4", "evict:0.5+fp16", "layers:0-1+int8"])
+def test_decoded_nbytes_is_what_decode_allocates_read_from_the_header(payload, codec):
+    """The count a receiver's byte budget refuses on before decoding: equal to the decoded payload's bytes
+    for every codec (sliding layers, evicted tokens and dropped layers included), and from the header
+    alone: a flipped tensor byte does not change it, a corrupt header is ``CorruptPayload``."""
+    from kvrelay.kv import codecs
+
+    data = (wire.encode(payload) if codec == "raw"
+            else wire.pack(*codecs.compress(payload, codec, probe_ids=payload.token_ids[:, -4:]).to_wire()))
+    assert wire.decoded_nbytes(data) == wire.decode(data).nbytes
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40
+    assert wire.decoded_nbytes(bytes(flipped)) == wire.decoded_nbytes(data)
+    with pytest.raises(CorruptPayload):
+        wire.decoded_nbytes(data[:-1])

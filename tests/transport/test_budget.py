@@ -287,3 +287,93 @@ def test_shared_budget_holds_under_concurrent_writers(shared):
     for w in range(4):
         mine = sorted(int(k.split("-")[1]) for k in held if k.startswith(f"w{w}-"))
         assert mine == list(range(10 - len(mine), 10)), (w, mine)
+
+
+# -- what the memory is, measured where it lives ----------------------------------------------------------
+KiB = 1 << 10
+
+
+@pytest.fixture
+def private_redis():
+    """A redis-server of this test's own: ``INFO memory`` then counts only what the test puts there."""
+    from kvrelay.transport.redis_server import RedisServer, RedisServerError
+    from tests.conftest import missing_service
+
+    try:
+        server = RedisServer().start()
+    except RedisServerError as e:
+        missing_service("redis-server", str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_redis_servers_own_memory_stays_under_the_budget_and_returns_on_release(private_redis):
+    """``used_memory`` (the server's allocator count, ``INFO memory``) before a put, after puts up to the
+    budget, after puts that each evict the oldest, after a refused put, and after every payload is deleted.
+
+    Tolerances, not exact counts: a value takes about 1.2x its bytes in Redis' allocator, and the
+    connection keeps the query buffer of its largest put (about 1.4x it) until the server trims idle
+    buffers or the connection closes; both are measured here, not assumed."""
+    from kvrelay.transport.redis_store import RedisStore
+
+    blobs = [_blob(i, T=8000) for i in range(6)]  # ~2 MB each
+    size = max(map(len, blobs))
+    store = RedisStore(private_redis, namespace="mem", budget=ByteBudget(3 * size + 8, "oldest"))
+
+    def used() -> int:
+        return int(store.client.info("memory")["used_memory"])
+
+    store.put_bytes("warm", _blob(0))  # one-time allocations (the ledger's keys, the scripts) before measuring
+    store.delete("warm")
+    before = used()
+    grown = []
+    for i, b in enumerate(blobs):
+        store.put_bytes(f"p{i}", b)
+        grown.append(used() - before)
+    assert [store.contains(f"p{i}") for i in range(6)] == [False] * 3 + [True] * 3
+    assert grown[0] > 0.95 * size and grown[2] - grown[0] > 2 * 0.95 * size  # the server holds what was put
+    # full at the third put; each later one evicted the oldest first: it stays there (without a budget the
+    # server would hold three more payloads, ~7 MB)
+    assert max(grown[3:]) - grown[2] < 256 * KiB
+    with pytest.raises(OverBudget):
+        store.put_bytes("big", _blob(9, T=4 * 8000))  # larger than the whole budget: refused, nothing written
+    assert used() - before - grown[-1] < 64 * KiB
+    for i in range(6):
+        store.delete(f"p{i}")
+    assert used() - before < 1.5 * size + 256 * KiB  # the values are freed; the query buffer is the connection's
+    store.client.connection_pool.disconnect()  # the next call reconnects: the old connection's buffers go
+    assert used() - before < 256 * KiB
+    store.close()
+
+
+def test_a_disk_store_read_keeps_no_pages_once_released(tmp_path):
+    """A 2 x 40 MB payload read from a disk store: the mapped file's pages (``get_bytes``, every page touched)
+    and the decoded payload (``get_payload``) count in this process's RSS while held, and leave it when
+    released. Each tensor is above glibc's largest mmap threshold (32 MiB), so freeing it returns its pages."""
+    import hashlib
+
+    from kvrelay.kv import wire
+    from kvrelay.transport.disk import DiskStore
+    from kvrelay.transport.payloads import get_payload
+    from tests.transport.test_stores import fake_payload
+
+    p = fake_payload(7, T=40_000, layers=1, heads=4, dim=64)  # K and V: (1, 4, 40000, 64) fp32, 41 MB each
+    store = DiskStore(tmp_path / "store", budget=ByteBudget(200 * MB))
+    store.put_bytes("big", wire.encode_parts(p))
+    n = p.nbytes
+    del p
+    gc.collect()
+    before = _rss()
+    view = store.get_bytes("big")
+    hashlib.sha256(view).digest()  # every page of the mapping read in
+    assert _rss() - before > 0.9 * n
+    del view
+    gc.collect()
+    assert _rss() - before < 8 * MB
+    got = get_payload(store, "big")
+    assert _rss() - before > 0.9 * n and got.nbytes == n
+    del got
+    gc.collect()
+    assert _rss() - before < 16 * MB

@@ -157,3 +157,18 @@ def test_a_payload_from_another_model_is_refused_inside_the_actor(ray_cluster):
     finally:
         ray.kill(sender)
         ray.kill(receiver)
+
+
+def test_a_receivers_byte_budget_reaches_the_actor(ray_cluster, tiny_by_arch):
+    """``max_bytes`` on an agent: its actor refuses the relayed payload (``OverBudget`` raised inside it) and
+    the edge, ``on_refused = "text"``, is rebuilt from text: the same answers as a text run."""
+    agents = [AgentSpec(n, f"check the {n}", WORDS, max_new_tokens=4, min_new_tokens=2) for n in ("read", "check")]
+    wf = chain("chain2", agents)
+    wf = replace(wf, agents=(agents[0], replace(agents[1], max_bytes=1000)),
+                 edges=tuple(replace(e, on_refused="text") for e in wf.edges))
+    with RayWorkflowRunner(ModelSpec.tiny("qwen2"), wf) as runner:
+        kv = runner.run(CONTEXT, mode="kv")
+        text = runner.run(CONTEXT, mode="text")
+    assert [a.channel for a in kv.agents] == ["root", "kv->text"]
+    assert "OverBudget" in kv.agents[1].fallback and "receiver 'check'" in kv.agents[1].fallback
+    assert kv.outputs() == text.outputs()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.agents.receive import RoundBook, RoundRules, receive
+from kvrelay.agents.receive import RoundBook, RoundRules, admit, receive, receiver_budget
 from kvrelay.agents.verify import VerifySpec, require_verified
 from kvrelay.fuse.adapter import Adapter
 from kvrelay.fuse.repair import RepairSpec, parse_repair, selective_recompute
@@ -37,6 +37,7 @@ from kvrelay.models.generate import forward_last, generate
 from kvrelay.models.prompt import PromptFormat, format_for
 from kvrelay.models.sampling import Sampler
 from kvrelay.models.speculative import SpecStats
+from kvrelay.transport.budget import ByteBudget
 
 LAYOUTS = ("continue", "replace")  # where a relayed cache sits: docs/layouts.md
 READER_ROLE = "You are a careful reader. Read the document."  # the sender of `kvrelay relay` / `kvrelay read`
@@ -59,11 +60,16 @@ class Response:
 
 
 class Agent:
-    """One role on one loaded model. State: a round counter and the rounds it holds per producer."""
+    """One role on one loaded model. State: a round counter and the rounds it holds per producer.
+
+    ``budget`` (a ``ByteBudget``, policy ``refuse``): the most decoded bytes of relayed payloads one call
+    holds at once (``agents.receive.admit``); a payload that would exceed it is ``OverBudget`` before it
+    is checked further or used. It keeps no payload between calls, so there is nothing to evict."""
 
     def __init__(self, lm, name: str = "agent", role: str = "", *, max_new_tokens: int = 64,
                  fmt: PromptFormat | None = None, adapter: Adapter | None = None,
-                 round_rules: RoundRules | None = None, verify: VerifySpec | None = None):
+                 round_rules: RoundRules | None = None, verify: VerifySpec | None = None,
+                 budget: ByteBudget | None = None):
         self.lm = lm
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -76,6 +82,7 @@ class Agent:
         self.adapter = adapter  # maps payloads of other models (kvrelay.fuse); None: same model only
         self._rounds = RoundBook(round_rules or RoundRules())  # what it accepts of each producer's rounds
         self.verify = verify  # recompute part of every payload of its own model before using it (agents.verify)
+        self.budget = receiver_budget(budget)
         self.stop_ids = self._stop_ids()
 
     # -- tokens ------------------------------------------------------------------------------
@@ -141,16 +148,22 @@ class Agent:
         return DynamicCache(config=self.model.config)
 
     # -- receiving ---------------------------------------------------------------------------
+    def admit(self, *sizes: int) -> None:
+        """``OverBudget`` (naming this receiver) unless payloads of these decoded sizes fit its byte budget at
+        once; a store's reader calls it with ``kv.wire.decoded_nbytes`` before decoding."""
+        admit(sizes, self.budget, f"receiver {self.name!r}")
+
     def check(self, p: KVPayload, rounds: RoundBook | None = None) -> KVPayload:
         """The payload this agent may attend to — ``p``, or ``p`` through its adapter — or a typed error
-        (``IncompatiblePayload``, ``StalePayload``, ``MissingRound``, ``ExpiredPayload``,
-        ``ProducerModelChanged``, ``TamperedPayload`` when it verifies); records its round in ``rounds`` (default: the agent's own book; see
-        ``agents.receive``)."""
+        (``OverBudget`` under its byte budget, ``IncompatiblePayload``, ``StalePayload``, ``MissingRound``,
+        ``ExpiredPayload``, ``ProducerModelChanged``, ``TamperedPayload`` when it verifies); records its round
+        in ``rounds`` (default: the agent's own book; see ``agents.receive``)."""
         book = self._rounds if rounds is None else rounds
+        kw = {"now_round": self.round, "budget": self.budget, "where": f"receiver {self.name!r}"}
         if self.verify is None:
-            return receive(p, self.identity, book, self.adapter, now_round=self.round)
+            return receive(p, self.identity, book, self.adapter, **kw)
         trial = RoundBook(book.rules, dict(book.held), dict(book.models), {k: set(v) for k, v in book.retired.items()})
-        usable = receive(p, self.identity, trial, self.adapter, now_round=self.round)
+        usable = receive(p, self.identity, trial, self.adapter, **kw)
         if usable is p:  # its own model's payload (an adapter's output is approximate by design)
             require_verified(self.model, p, self.verify)
         book.held, book.models, book.retired = trial.held, trial.models, trial.retired  # recorded once verified
@@ -326,6 +339,7 @@ class Agent:
         if any(relayed) and not all(relayed):
             raise ValueError("a batch mixes relayed payloads and text contexts; split it by channel")
         if all(relayed):
+            self.admit(*(c.nbytes for c in contexts))  # the batch's payloads are held at once
             contexts = [self.check(c) for c in contexts]
             ids = [self.prompt_ids(p) for p in prompts]
         else:

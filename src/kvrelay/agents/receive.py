@@ -14,17 +14,27 @@ book (``RoundBook`` under ``RoundRules``) accepts the round: not older than one 
 producer (``StalePayload``), not skipping rounds (``MissingRound``), not expired by rounds or seconds
 (``ExpiredPayload``), and not made by a model the producer has since replaced (``ProducerModelChanged``).
 Nothing is used silently.
+
+Before all of these, a receiver with a byte budget (``transport.budget.ByteBudget``, policy ``refuse``)
+refuses a payload whose bytes would exceed it (``OverBudget``; ``admit``), and counts an adapted form
+beside the payload it came from. A receiver keeps no payload between calls (its round book holds a
+round number and a model fingerprint per producer), so nothing is held when a call starts and
+nothing can be evicted: the budget caps the decoded bytes (``KVPayload.nbytes``) of the payloads one
+call holds at once — one, or a batch's together. Through a store the same count is read from the
+header (``kv.wire.decoded_nbytes``) and refused before any tensor is decoded.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.core.errors import (
     ExpiredPayload,
     IncompatiblePayload,
+    InvalidInput,
     MissingRound,
     ProducerModelChanged,
     StalePayload,
@@ -33,6 +43,26 @@ from kvrelay.fuse.adapter import Adapter
 from kvrelay.kv.compat import check_meta, require_raw
 from kvrelay.kv.payload import KVPayload
 from kvrelay.models.identity import ModelIdentity
+from kvrelay.transport.budget import ByteBudget
+
+
+def receiver_budget(budget: ByteBudget | None) -> ByteBudget | None:
+    """``budget`` when a receiver can keep it: ``InvalidInput`` for an evicting policy (a receiver holds no payload
+    between calls, so there is nothing to evict: only ``refuse`` means something)."""
+    if budget is not None and budget.policy != "refuse":
+        raise InvalidInput(f"a receiver's byte budget with policy {budget.policy!r}",
+                           "policy 'refuse' (a receiver keeps no payload between calls, so there is nothing to evict)")
+    return budget
+
+
+def admit(sizes: Sequence[int], budget: ByteBudget | None, where: str = "receiver") -> None:
+    """``OverBudget`` unless payloads of these decoded sizes, held at once by one call, fit ``budget`` (a
+    receiver's: nothing held before the call). A payload larger than the budget is refused (``ByteBudget``)."""
+    if budget is None:
+        return
+    held = ByteBudget(budget.max_bytes)  # one call's payloads, from nothing held
+    for i, n in enumerate(sizes):
+        held.admit(str(i), n, where)
 
 
 def compatible(p: KVPayload, ident: ModelIdentity) -> bool:
@@ -143,12 +173,17 @@ class RoundBook:
 
 
 def receive(p: KVPayload, ident: ModelIdentity, book: RoundBook, adapter: Adapter | None = None, *,
-            now_round: int | None = None, now_s: float | None = None) -> KVPayload:
+            now_round: int | None = None, now_s: float | None = None, budget: ByteBudget | None = None,
+            where: str = "receiver") -> KVPayload:
     """The payload a receiver may attend to (``p`` itself or its adapted form); records its round.
 
-    ``now_round`` / ``now_s``: the receiver's round and clock, for the book's expiry rules."""
+    ``now_round`` / ``now_s``: the receiver's round and clock, for the book's expiry rules. ``budget``: the
+    receiver's byte budget (``admit``, naming ``where``): ``p`` first, then ``p`` with its adapted form (both held)."""
+    admit([p.nbytes], budget, where)
     book.observe_model(p.meta.producer, p.meta.model_fingerprint)
     usable = adapt_if_needed(p, ident, adapter)
+    if usable is not p:  # the caller still holds what arrived while the adapted form is used
+        admit([p.nbytes, usable.nbytes], budget, where)
     check_geometry(usable, ident)
     m = usable.meta
     book.check(m.producer, m.round, created_at=m.created_at, now_round=now_round, now_s=now_s)

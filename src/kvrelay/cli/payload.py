@@ -137,6 +137,8 @@ def respond_cmd(
                                "from its own token ids first; refuse it if they differ (docs/trust.md)"),
     keys_file: Path = typer.Option(None, help="require a signature by one of these keys (kvrelay.kv.sign key lines; "
                                    "default $KVRELAY_KEYS when set)"),
+    max_bytes: int = typer.Option(None, "--max-bytes", help="the receiver's byte budget: refuse a payload that decodes "
+                                  "to more bytes, from its header, before decoding it (docs/trust.md)"),
 ) -> None:
     """The receiver's half of `kvrelay relay`: answer from a relayed payload (file or store key)."""
     from kvrelay.workflows.spec import LAYOUTS
@@ -151,6 +153,7 @@ def respond_cmd(
     ref = v.model(model)
     v.fits(ref, max_new_tokens, "--max-new-tokens")
     v.positive(verify, "--verify", 2)
+    v.positive(max_bytes, "--max-bytes")
     from kvrelay.kv.sign import keyring_from
 
     keys = keyring_from(keys_file)
@@ -161,19 +164,21 @@ def respond_cmd(
     from kvrelay.agents.verify import VerifySpec
     from kvrelay.cli.common import load_for_cli
     from kvrelay.kv.wire import read_meta
+    from kvrelay.transport.budget import ByteBudget
     from kvrelay.transport.payloads import check_content_key, decode_bytes
 
     lm = load_for_cli(model, None, engine)
     if data is None:
         data = st.get_bytes(key)
-    p = decode_bytes(data, expect=lm.identity, keys=keys)
+    budget = ByteBudget(max_bytes) if max_bytes is not None else None
+    receiver = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens, budget=budget)
+    p = decode_bytes(data, expect=lm.identity, keys=keys, admit=receiver.admit)  # over budget: refused undecoded
     codec = read_meta(data).get("codec", "raw")
     if key is not None:
         check_content_key(key, p, codec)
     v.fits(ref, max_new_tokens, "--max-new-tokens", reserve=int(p.next_positions.max()))
-    spec = VerifySpec(k=verify, codec=codec) if verify is not None else None
-    r = Agent(lm, "receiver", role=role, max_new_tokens=max_new_tokens, verify=spec).respond(question, p,
-                                                                                           layout=layout)
+    receiver.verify = VerifySpec(k=verify, codec=codec) if verify is not None else None  # at the codec's tolerance
+    r = receiver.respond(question, p, layout=layout)
     note(f"{p.num_tokens} relayed tokens, TTFT {r.ttft_s:.3f}s")
     print(r.text)
     _write_json(json_path, {"model": model, "engine": lm.engine, "layout": layout, "answer": r.text,

@@ -35,7 +35,7 @@ module is the one to import: it holds every public name.
 from __future__ import annotations
 
 from kvrelay.kv.payload import FORMAT, KVPayload, PayloadMeta, payload_tensors
-from kvrelay.kv.wire_decode import Names, decode, decode_compressed, load, unpack
+from kvrelay.kv.wire_decode import Names, decode, decode_compressed, decoded_nbytes, load, unpack
 from kvrelay.kv.wire_encode import atomic_write, encode, encode_parts, pack, pack_parts, save, write_temp
 from kvrelay.kv.wire_header import (
     INTEGRITY_KEYS,
@@ -51,6 +51,6 @@ from kvrelay.kv.wire_header import (
 
 __all__ = [
     "FORMAT", "INTEGRITY_KEYS", "MAX_HEADER_BYTES", "MAX_TOTAL_BYTES", "Header", "KVPayload", "Names", "PayloadMeta",
-    "Source", "TensorEntry", "atomic_write", "decode", "decode_compressed", "encode", "encode_parts", "load", "pack", "pack_parts",
+    "Source", "TensorEntry", "atomic_write", "decode", "decode_compressed", "decoded_nbytes", "encode", "encode_parts", "load", "pack", "pack_parts",
     "payload_tensors", "read_header", "read_meta", "save", "tensor_intact", "unpack", "write_temp",
 ]

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from kvrelay.core.errors import CorruptPayload
-from kvrelay.kv.codecs import Compressed, decompress
+from kvrelay.kv.codecs import Compressed, codec_of, decompress
 from kvrelay.kv.compat import check_meta
 from kvrelay.kv.layout import held_tokens, tensor_name
-from kvrelay.kv.payload import RAW, KVPayload, PayloadMeta, check_tokens
+from kvrelay.kv.payload import DTYPES, RAW, KVPayload, PayloadMeta, check_tokens
 from kvrelay.kv.transforms import select_layers, select_tokens
 from kvrelay.kv.wire_header import (
     MAX_HEADER_BYTES,
@@ -215,6 +215,26 @@ def decode_compressed(data: Source, *, expect: ModelIdentity | None = None,
     _check_expected(m, expect)
     check_layout(_specs(h), m)
     return _compressed(buf, h, verify=True)
+
+
+def decoded_nbytes(data: Source, *, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The bytes ``decode`` allocates for the payload in ``data`` (``KVPayload.nbytes`` of what it returns), from
+    the header alone: no tensor byte is read. A receiver with a byte budget refuses on it before decoding.
+
+    The header, the metadata and the codec's tensor layout are checked as ``decode`` checks them (the shapes
+    it counts are the ones ``decode`` would accept, so a header cannot declare one size and decode to
+    another); the tensors' digests are not, since no tensor is read."""
+    buf = memoryview(data).cast("B")
+    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+    m = _payload_meta(h)
+    B, T = check_layout(_specs(h), m)
+    itemsize = DTYPES[m.dtype].itemsize  # every codec decodes to the metadata's float dtype
+    part = None if m.codec == "raw" or codec_of(m).encoding.kind != "int" else "scale"
+    kv = 0
+    for j in range(len(m.layer_indices)):
+        shape = h.tensors[tensor_name(j, "k", part)].shape  # (B, H, T_l, D), or the int scale (B, H, groups, D)
+        kv += 2 * B * shape[1] * _held(m, j, T) * shape[3] * itemsize
+    return kv + B * T * (2 * torch.int64.itemsize + torch.bool.itemsize)  # token_ids, positions, mask
 
 
 def load(path: str | os.PathLike, *, expect: ModelIdentity | None = None, layers: range | slice | None = None,

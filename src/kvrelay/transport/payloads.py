@@ -16,6 +16,8 @@ Either side may sign (``signer=``) or require a signature (``keys=``): ``kv.sign
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv import codecs, wire
 from kvrelay.kv.payload import KVPayload
@@ -82,14 +84,19 @@ def save_payload(path, payload: KVPayload | codecs.Compressed, codec: str = "raw
     wire.atomic_write(path, _signed(parts, signer))
 
 
-def decode_bytes(data, *, expect: ModelIdentity | None = None, keys: Keyring | None = None) -> KVPayload:
+def decode_bytes(data, *, expect: ModelIdentity | None = None, keys: Keyring | None = None,
+                 admit: Callable[[int], None] | None = None) -> KVPayload:
     """kvrelay/1 bytes of a raw payload or of any codec's output -> a raw float ``KVPayload`` (``wire.decode``).
 
     ``keys``: a non-empty keyring requires a signature by one of its keys (``kv.sign.check_signature``:
     ``UnsignedPayload`` / ``BadSignature`` naming the producer), checked from the header before any
-    tensor is read."""
+    tensor is read. ``admit``: a receiver's byte budget (``agents.agent.Agent.admit``), called with the
+    bytes the payload decodes to (``wire.decoded_nbytes``, from the header) after the signature and
+    before any tensor is read; it raises to refuse (``OverBudget``)."""
     if keys:
         check_signature(data, keys)
+    if admit is not None:
+        admit(wire.decoded_nbytes(data))
     return wire.decode(data, expect=expect)  # any codec's output (kv.wire_decode)
 
 
@@ -121,18 +128,19 @@ def check_content_key(key: str, p: KVPayload, codec: str) -> None:
 
 
 def get_payload(store: ByteStore, key: str, *, expect: ModelIdentity | None = None,
-                keys: Keyring | None = None) -> KVPayload:
+                keys: Keyring | None = None, admit: Callable[[int], None] | None = None) -> KVPayload:
     """The payload under ``key`` as a raw float ``KVPayload`` (decompressed if a codec made it), checked to
-    be what a content key names (``check_content_key``); ``keys`` as in ``decode_bytes``."""
-    return get_payload_sized(store, key, expect=expect, keys=keys)[0]
+    be what a content key names (``check_content_key``); ``keys`` and ``admit`` as in ``decode_bytes``."""
+    return get_payload_sized(store, key, expect=expect, keys=keys, admit=admit)[0]
 
 
 def get_payload_sized(store: ByteStore, key: str, *, expect: ModelIdentity | None = None,
-                      keys: Keyring | None = None) -> tuple[KVPayload, int]:
+                      keys: Keyring | None = None, admit: Callable[[int], None] | None = None
+                      ) -> tuple[KVPayload, int]:
     """``get_payload`` and the number of bytes it read: what the put wrote, the bytes that crossed the wire
     (an fp16 or int8 payload's own size, not its decoded fp32 size)."""
     data = store.get_bytes(key)
-    p = decode_bytes(data, expect=expect, keys=keys)
+    p = decode_bytes(data, expect=expect, keys=keys, admit=admit)
     check_content_key(key, p, wire.read_meta(data).get("codec", "raw"))
     return p, memoryview(data).nbytes
 

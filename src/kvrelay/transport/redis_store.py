@@ -8,7 +8,7 @@ import secrets
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from kvrelay.core.errors import CorruptPayload, PayloadNotFound, StoreError, UnknownStore
 from kvrelay.kv.wire import MAX_HEADER_BYTES, MAX_TOTAL_BYTES
@@ -67,9 +67,10 @@ class RedisStore(PayloadMethods):
     """Bytes in Redis cut into ``chunk_bytes`` pieces behind a manifest.
 
     The URL may carry credentials and TLS as redis-py reads them: ``redis://USER:PASSWORD@HOST:PORT/DB``
-    (an ACL user; ``redis://:PASSWORD@...`` for the default user), ``rediss://...`` for TLS
-    (``?ssl_cert_reqs=none``, ``ssl_ca_certs=PATH`` as redis-py takes them). ``url`` shows the
-    password as ``***``.
+    (an ACL user; ``redis://:PASSWORD@...`` for the default user), ``rediss://...`` for TLS with
+    redis-py's parameters, paths percent-encoded: ``?ssl_ca_certs=PATH`` (the CA to trust),
+    ``ssl_certfile=PATH&ssl_keyfile=PATH`` (a client certificate), ``ssl_cert_reqs=none`` (no
+    verification; docs/trust.md). ``url`` shows the password as ``***``.
 
     Keys (``ns`` = namespace)::
 
@@ -106,7 +107,8 @@ class RedisStore(PayloadMethods):
         self.budget = budget if budget is not None else url_budget
         self.namespace = namespace or ns or "kvrelay"
         shown = _redacted(server)  # what messages and traces name: never the password
-        self.url = shown if self.namespace == "kvrelay" else f"{shown}?namespace={self.namespace}"
+        self.url = shown if self.namespace == "kvrelay" else \
+            f"{shown}{'&' if urlsplit(shown).query else '?'}namespace={self.namespace}"
         self.chunk_bytes = chunk_bytes
         self.max_retries = max_retries
         self.retry_s = _retry_seconds(retry_s if retry_s is not None else url_retry if url_retry is not None else RETRY_S,
@@ -386,7 +388,7 @@ def _split_params(url: str) -> tuple[str, str | None, str | None, ByteBudget | N
     ns = query.pop("namespace", [None])[-1]
     retry = query.pop("retry_s", [None])[-1]
     budget = from_query(_redacted(url), query)
-    rest = "&".join(f"{k}={v[-1]}" for k, v in query.items())
+    rest = urlencode([(k, v[-1]) for k, v in query.items()])  # re-encoded: a path may hold '+', '&' or '%'
     return urlunsplit((parts.scheme, parts.netloc, parts.path, rest, "")), ns, retry, budget
 
 

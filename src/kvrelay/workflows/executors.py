@@ -97,7 +97,7 @@ class InProcessExecutor:
         if unknown:
             raise ValueError(f"models for agents {sorted(unknown)} that workflow {wf.name!r} does not have")
         self.agents = {a.name: Agent(self.models.get(a.name, self.lm), a.name, a.role, max_new_tokens=a.max_new_tokens,
-                                     verify=_verify(wf, a.name, self.codec)) for a in wf.agents}
+                                     verify=_verify(wf, a.name, self.codec), budget=a.budget()) for a in wf.agents}
         self.run_id = secrets.token_hex(6)
 
     def context_ids(self, agent: str, context: str) -> list[int]:

@@ -125,7 +125,8 @@ signed payloads. ``codec``: what senders encode payloads with (``kv.codecs``; de
         for name, w in self.workers.items():
             spec = wf.verify_for(name)
             w.call({"op": "reset", "verify": None if spec is None else
-                    {"k": spec.k, "full": spec.full, "seed": spec.seed, "codec": self.codec}})
+                    {"k": spec.k, "full": spec.full, "seed": spec.seed, "codec": self.codec},
+                    "max_bytes": wf.agent(name).max_bytes})
         self.run_id = secrets.token_hex(6)
 
     def context_ids(self, agent: str, context: str) -> list[int]:

@@ -105,12 +105,14 @@ class AgentActor:
         self.name, self.role, self.max_new_tokens = name, role, max_new_tokens
         self.reset()
 
-    def reset(self, verify=None) -> None:
+    def reset(self, verify=None, budget=None) -> None:
         """A fresh ``Agent`` (round counter, staleness records) on the loaded model: one per run;
-        ``verify`` (a ``VerifySpec``): it verifies the payloads it receives."""
+        ``verify`` (a ``VerifySpec``): it verifies the payloads it receives; ``budget`` (a ``ByteBudget``):
+        its byte budget as a receiver."""
         from kvrelay.agents.agent import Agent
 
-        self.agent = Agent(self.lm, self.name, self.role, max_new_tokens=self.max_new_tokens, verify=verify)
+        self.agent = Agent(self.lm, self.name, self.role, max_new_tokens=self.max_new_tokens, verify=verify,
+                           budget=budget)
 
     def fingerprint(self) -> str:
         return self.lm.identity.fingerprint
@@ -176,7 +178,8 @@ class RayExecutor:
 
         if [a.name for a in wf.agents] != list(self.actors):
             raise ValueError(f"these actors run agents {list(self.actors)}, not {[a.name for a in wf.agents]}")
-        ray.get([h.reset.remote(wf.verify_for(name)) for name, h in self.actors.items()])  # raw object hand-over
+        ray.get([h.reset.remote(wf.verify_for(name), wf.agent(name).budget())
+                 for name, h in self.actors.items()])  # raw object hand-over
 
     def context_ids(self, agent: str, context: str) -> list[int]:
         import ray

@@ -29,6 +29,7 @@ from typing import Any
 from kvrelay.core.errors import (
     EdgeRefused,
     InvalidWorkflow,
+    OverBudget,
     PayloadError,
     PayloadNotFound,
     StoreError,
@@ -286,10 +287,10 @@ def route_edge(policy: AutoPolicy, ex, spec, src: str, sender: Finished) -> Rout
 
 
 def refusal(e: BaseException) -> str | None:
-    """The error type's name when ``e`` is a receiver refusing a relayed payload (or its store losing it or
-    failing to read it after its retries),
-    in this process or reported by a worker (``WorkerError.refused``); None for any other failure."""
-    if isinstance(e, (PayloadError, PayloadNotFound, StoreError)):
+    """The error type's name when ``e`` is a receiver refusing a relayed payload (untrusted, or over its byte
+    budget) or its store losing it or failing to read it after its retries, in this process or reported by
+    a worker (``WorkerError.refused``); None for any other failure."""
+    if isinstance(e, (PayloadError, OverBudget, PayloadNotFound, StoreError)):
         return type(e).__name__
     if isinstance(e, WorkerError) and getattr(e, "refused", False):
         return getattr(e, "kind", "") or type(e).__name__

@@ -28,7 +28,9 @@ lost it: ``stop`` (default) raises ``EdgeRefused`` naming the edge; ``text`` reb
 text (the receiver re-encodes the same tokens) and the trace says so (``AgentRecord.fallback``).
 ``verify = {k = 32}`` (also ``full = true``, ``seed = N``) makes the receiver recompute part of the
 relayed payload from its own token ids before using it (``agents.verify``); one that fails is
-``TamperedPayload``, refused like any other.
+``TamperedPayload``, refused like any other. An agent's ``max_bytes`` is its byte budget as a receiver:
+a relayed payload that decodes to more is ``OverBudget`` (refused before it is decoded or used), and
+``on_refused`` applies to it like to any refusal.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from kvrelay.agents.agent import LAYOUTS
 from kvrelay.agents.verify import VerifySpec
 from kvrelay.core.errors import InvalidWorkflow
+from kvrelay.transport.budget import ByteBudget
 
 CHANNELS = ("text", "kv", "kv+text", "auto")
 RELAYING = ("kv", "auto")  # single-edge channels that may hand the sender's whole-turn cache on
@@ -53,15 +56,23 @@ class AgentSpec:
     prompt: str  # what it is asked to do in its turn
     max_new_tokens: int = 48
     min_new_tokens: int = 0  # stop tokens suppressed until this many tokens are written
+    max_bytes: int | None = None  # its byte budget as a receiver (agents.receive.admit); None: none
 
     def __post_init__(self):
         if not self.name or any(c.isspace() for c in self.name):
             raise ValueError(f"agent name must be non-empty without spaces, got {self.name!r}")
+        if self.max_bytes is not None and (type(self.max_bytes) is not int or self.max_bytes < 1):
+            raise ValueError(f"{self.name}: max_bytes (its byte budget as a receiver) must be an integer >= 1, "
+                             f"got {self.max_bytes!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"{self.name}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"{self.name}: need 0 <= min_new_tokens ({self.min_new_tokens}) "
                              f"<= max_new_tokens ({self.max_new_tokens})")
+
+    def budget(self) -> ByteBudget | None:
+        """Its byte budget as a receiver (policy ``refuse``: a receiver keeps no payload to evict)."""
+        return None if self.max_bytes is None else ByteBudget(self.max_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +205,8 @@ class Workflow:
         for a in self.agents:
             lines += ["", "[[agents]]", f"name = {_q(a.name)}", f"role = {_q(a.role)}", f"prompt = {_q(a.prompt)}",
                       f"max_new_tokens = {a.max_new_tokens}", f"min_new_tokens = {a.min_new_tokens}"]
+            if a.max_bytes is not None:
+                lines.append(f"max_bytes = {a.max_bytes}")
         for e in self.edges:
             lines += ["", "[[edges]]", f"src = {_q(e.src)}", f"dst = {_q(e.dst)}", f"channel = {_q(e.channel)}"]
             if e.partial is not None:

@@ -104,12 +104,13 @@ def store_turn(agent: Agent, store: ByteStore, prompt: str, base: Sequence[int],
 
     ``relay_bytes`` is what the sender's put wrote (the bytes read back: fp16 or int8 sizes, not the
     decoded fp32 cache's); ``get_s`` / ``put_s`` time the store's read and write. ``keys`` verifies the
-    relayed payload's signature, ``signer`` signs the produced one (``kv.sign``).
+    relayed payload's signature, ``signer`` signs the produced one (``kv.sign``). A payload over the agent's
+    byte budget is refused from its header, before it is decoded (``OverBudget``).
     """
     cache, get_s, nbytes = None, 0.0, 0
     if key is not None:
         t0 = time.perf_counter()
-        cache, nbytes = get_payload_sized(store, key, expect=agent.identity, keys=keys)
+        cache, nbytes = get_payload_sized(store, key, expect=agent.identity, keys=keys, admit=agent.admit)
         get_s = time.perf_counter() - t0
     out = take_turn(agent, prompt, base, cache, layout, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                     want_payload=want_payload, get_s=get_s, relay_bytes=nbytes)

@@ -6,7 +6,7 @@ random model in every process) and opens the store itself: payloads never cross 
 their keys. With signing keys (``--keys-file``, else ``$KVRELAY_KEYS``; ``kv.sign``) it signs every
 payload it writes with its key for its own name and refuses any payload not signed by one of them. Requests and replies::
 
-    {"op": "reset", "verify": null | {"k", "full", "seed", "codec"}}
+    {"op": "reset", "verify": null | {"k", "full", "seed", "codec"}, "max_bytes": null | N}
                                                       -> {"ok": true}          a fresh Agent (round 0)
     {"op": "context_ids", "context": STR}             -> {"ids": [int]}
     {"op": "turn", "prompt": STR, "base": [int], "cache": KEY | null, "layout": STR,
@@ -27,11 +27,12 @@ import json
 import os
 import sys
 
-from kvrelay.core.errors import PayloadError, PayloadNotFound, StoreError
+from kvrelay.core.errors import OverBudget, PayloadError, PayloadNotFound, StoreError
 
 STORE_ENV = "KVRELAY_STORE_URL"
-# the receiver refused a relayed payload, or the store lost it or could not be read (after its retries)
-REFUSALS = (PayloadError, PayloadNotFound, StoreError)
+# the receiver refused a relayed payload (untrusted, or over its byte budget), or the store lost it or could
+# not be read (after its retries)
+REFUSALS = (PayloadError, OverBudget, PayloadNotFound, StoreError)
 
 
 def _serve(args, send) -> None:
@@ -41,6 +42,7 @@ def _serve(args, send) -> None:
     from kvrelay.agents.verify import VerifySpec
     from kvrelay.kv.sign import keyring_from
     from kvrelay.models.loader import load_model
+    from kvrelay.transport.budget import ByteBudget
     from kvrelay.transport.stores import open_store
     from kvrelay.workflows.turn import store_turn
 
@@ -51,9 +53,10 @@ def _serve(args, send) -> None:
     keyring = keyring_from(args.keys_file)  # else $KVRELAY_KEYS; empty: nothing signed or asked for
     signer = keyring.signer(args.name)
 
-    def fresh(verify: dict | None = None) -> Agent:
+    def fresh(verify: dict | None = None, max_bytes: int | None = None) -> Agent:
         spec = VerifySpec(**verify) if verify else None
-        return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens, verify=spec)
+        budget = ByteBudget(max_bytes) if max_bytes is not None else None
+        return Agent(lm, args.name, args.role, max_new_tokens=args.max_new_tokens, verify=spec, budget=budget)
 
     agent = fresh()
     send({"ready": True, "fingerprint": lm.identity.fingerprint, "pid": os.getpid()})
@@ -63,7 +66,7 @@ def _serve(args, send) -> None:
             if req["op"] == "quit":
                 return
             if req["op"] == "reset":
-                agent = fresh(req.get("verify"))
+                agent = fresh(req.get("verify"), req.get("max_bytes"))
                 send({"ok": True})
             elif req["op"] == "context_ids":
                 send({"ids": agent.encode(agent.fmt.user(req["context"]))})
