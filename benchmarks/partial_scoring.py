@@ -26,9 +26,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-VARIANTS = [  # (window, pool, mode)
+VARIANTS = [  # (window, pool, mode); the first round of the ablation
     (None, 1, "headwise"), (None, 7, "headwise"), (8, 1, "headwise"), (8, 7, "headwise"),
     (None, 7, "layerwise"), (8, 7, "layerwise"), (16, 7, "layerwise"), (8, 15, "layerwise"),
+]
+ROUND2 = [  # around the first round's best, on other tasks (``--offset``)
+    (None, 7, "layerwise"), (16, 7, "layerwise"), (24, 7, "layerwise"), (16, 11, "layerwise"),
+    (None, 11, "layerwise"), (16, 7, "headwise"), (None, 15, "layerwise"), (16, 15, "layerwise"),
 ]
 
 
@@ -41,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--tasks", default="squad,gen_easy")
     ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N tasks of each set (held-out choice)")
+    ap.add_argument("--round", type=int, choices=(1, 2), default=1, help="which list of variants")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -60,7 +66,8 @@ def main(argv=None) -> int:
     lm = load_model(a.model)
     sender = Agent(lm, "sender", SENDER_ROLE)
     receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=a.max_new_tokens)
-    tasks = [t for s in a.tasks.split(",") for t in load_tasks(s, a.limit)]
+    tasks = [t for s in a.tasks.split(",") for t in load_tasks(s, a.offset + a.limit)[a.offset:]]
+    variants = VARIANTS if a.round == 1 else ROUND2
     rows: dict[str, list[float]] = {"full": []}
     same: dict[str, list[bool]] = {}
     for task in tqdm(tasks, desc="partial scoring"):
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
         full = receiver.respond(task.prompt, payload)
         rows["full"].append(score(task, full.text))
         probe = attention_probe(sender.model, payload, receiver.prompt_ids(task.prompt))
-        for w, pool, mode in VARIANTS:
+        for w, pool, mode in variants:
             o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
                               window=w, pool=pool, mode=mode)
             rows.setdefault(name(w, pool, mode), []).append(score(task, o.response.text))
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
             row |= {"delta_vs_full": d.estimate, "delta_ci_low": d.low, "delta_ci_high": d.high,
                     "same_answer_as_full": float(np.mean(same[k]))}
         out.append(row)
-    doc = {"model": a.model, "tasks": a.tasks, "limit": a.limit, "budget": a.budget,
+    doc = {"model": a.model, "tasks": a.tasks, "limit": a.limit, "offset": a.offset, "budget": a.budget,
            "max_new_tokens": a.max_new_tokens, "rows": out,
            "command": "python benchmarks/partial_scoring.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -70,8 +70,10 @@ def _method_name(base: str, encoding: str) -> str:
 
 
 def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets: Sequence[float],
-             encodings: Sequence[str], methods: Sequence[str], message_tokens: int) -> list[Trial]:
-    """Every method on one task; the document read once."""
+             encodings: Sequence[str], methods: Sequence[str], message_tokens: int,
+             scoring: dict | None = None) -> list[Trial]:
+    """Every method on one task; the document read once. ``scoring``: ``PartialRequest``'s ``window`` and
+    ``pool`` for both partial methods (default: the request's defaults)."""
     payload = sender.read(task.context)
     T = payload.num_tokens
     out = []
@@ -94,7 +96,7 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
         for enc in encodings:
             for b in budgets:
                 o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=b), probe=probe,
-                                  encoding=enc)
+                                  encoding=enc, **(scoring or {}))
                 trial(_method_name(base, enc), b, o.response, o.hop.reply_bytes, o.ttft_s + probe_s,
                       kept=o.selection.fraction)
     if "text_full" in methods:
@@ -115,7 +117,7 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
 def run(lm, tasks: Sequence[tuple[str, Task]], *, budgets: Sequence[float] = DEFAULT_BUDGETS,
         encodings: Sequence[str] = ENCODINGS, methods: Sequence[str] = METHODS, max_new_tokens: int = 12,
         message_tokens: int = 64, done: Sequence[Trial] = (), sink: Callable[[list[Trial]], None] | None = None,
-        progress: bool = True) -> list[Trial]:
+        progress: bool = True, scoring: dict | None = None) -> list[Trial]:
     """Every method on every ``(task_set, task)``; tasks already in ``done`` are taken from there."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -130,7 +132,7 @@ def run(lm, tasks: Sequence[tuple[str, Task]], *, budgets: Sequence[float] = DEF
         if task.id in have:
             trials += have[task.id]
             continue
-        mine = run_task(sender, receiver, task, task_set, budgets, encodings, methods, message_tokens)
+        mine = run_task(sender, receiver, task, task_set, budgets, encodings, methods, message_tokens, scoring)
         trials += mine
         if sink is not None:
             sink(mine)

@@ -44,6 +44,10 @@ def partial(
     methods: str = typer.Option("full,receiver_driven,evict_agnostic,text_message,text_full,none",
                                 help="comma-separated methods"),
     max_new_tokens: int = typer.Option(12, help="tokens the receiver may write"),
+    window: int = typer.Option(None, help="score positions by the attention of the receiver's last N prompt "
+                               "tokens (0: all of them; default: a partial request's, docs/layouts.md)"),
+    pool: int = typer.Option(None, help="max-pool the scores over this many neighbouring positions (odd; 1: none; "
+                             "default: a partial request's)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's)"),
     records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed (tasks it "
@@ -65,6 +69,10 @@ def partial(
         raise v.InvalidInput("--methods lacks full", "full among the methods (differences are paired against it)")
     v.positive(max_new_tokens, "--max-new-tokens")
     v.positive(message_tokens, "--message-tokens")
+    if window is not None and window < 0:
+        raise v.InvalidInput(f"--window {window}", "--window 0 (every prompt token) or a positive count")
+    if pool is not None and (pool < 1 or pool % 2 == 0):
+        raise v.InvalidInput(f"--pool {pool}", "--pool an odd number of positions >= 1")
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
     v.writable_path(records, "--records")
@@ -81,8 +89,12 @@ def partial(
 
     per_set = [[(name, t) for t in load_tasks(name, limit=limit, seed=0)] for name in task_sets]
     task_list = [x for group in zip_longest(*per_set) for x in group if x is not None]  # sets interleaved
+    from kvrelay.kv.partial import DEFAULT_POOL, DEFAULT_WINDOW
+
+    scoring = {"window": DEFAULT_WINDOW if window is None else (window or None),
+               "pool": DEFAULT_POOL if pool is None else pool}
     setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
-             "max_new_tokens": max_new_tokens, "message_tokens": message_tokens}
+             "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
     try:  # a line cut short by a killed run goes before anything is appended
         done = select_trials(resume_json_lines(records), setup, where=records) if records is not None else []
     except ValueError as err:
@@ -101,7 +113,7 @@ def partial(
         lm = load_for_cli(model, threads)
         trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
                      max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
-                     progress=not state.quiet)
+                     progress=not state.quiet, scoring=scoring)
     rows = summarize(trials)
     load_after = os.getloadavg()[0]
     n_tasks = len({t.task for t in trials})

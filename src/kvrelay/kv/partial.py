@@ -40,6 +40,8 @@ from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, attention_probe, ev
 from kvrelay.kv.transforms import select_layers
 
 REQUEST_FORMAT = "kvrelay-partial-request/1"
+DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the cache (None: all)
+DEFAULT_POOL = 1  # neighbouring positions a score is max-pooled over
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +83,8 @@ class PartialRequest:
     mode: str = "headwise"  # evict.EVICTION_MODES: per (layer, KV head), per layer, or one set
     sink: int = 4
     recent: int = 8
-    window: int | None = None  # score by the last ``window`` question tokens only (None: all of them)
-    pool: int = 1  # max-pool scores over this many neighbouring slots (odd; 1: none)
+    window: int | None = DEFAULT_WINDOW  # score by the last ``window`` question tokens only (None: all of them)
+    pool: int = DEFAULT_POOL  # max-pool scores over this many neighbouring slots (odd; 1: none)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
