@@ -64,7 +64,7 @@ def _dotted(source: str) -> str:
 # kv/wire_header.py + kv/wire_decode.py: the read side only (decode and everything it validates with);
 # writers (kv/wire_encode.py) are not an attack surface
 WIRE_SOURCES = ("kvrelay/kv/wire_header.py", "kvrelay/kv/wire_decode.py")
-WIRE_DECODE = ("_tensor_digest", "_root_digest", "_parse_header", "_parse_entry", "_is_hex_digest", "_read",
+WIRE_DECODE = ("header_length", "tensor_digest", "root_digest", "parse_header", "_parse_entry", "_is_hex_digest", "_read",
                "_payload_meta", "_check_expected", "_held", "_check_layout", "_layer_positions", "_token_range",
                "_slots", "_decode", "decode")
 

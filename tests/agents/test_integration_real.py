@@ -65,6 +65,10 @@ def test_cli_bench_relay_json_contract(tmp_path):
                   "payload_bytes", "encode_s", "decode_s", "outputs_identical"):
             assert f in row
         assert row["outputs_identical"] is True and row["payload_bytes"] > 0
+    load = res["load_average"]  # one reading before each of the 2 sizes' repeat, one after; printed in the title
+    assert set(load) == {"load1_before_repeat", "load1_after", "status", "limit", "max"}
+    assert len(load["load1_before_repeat"]) == 2 and load["status"] in ("quiet", "loaded")
+    assert f"{load['status'].upper()}: 1-min load up to" in " ".join(r.output.split())
 
 
 def test_cli_rejects_unknown_model():

@@ -246,3 +246,26 @@ def test_decoded_nbytes_is_what_decode_allocates_read_from_the_header(payload, c
     assert wire.decoded_nbytes(bytes(flipped)) == wire.decoded_nbytes(data)
     with pytest.raises(CorruptPayload):
         wire.decoded_nbytes(data[:-1])
+
+
+def test_the_length_prefix_written_and_read_in_one_place(payload):
+    """wire_header frames a header (length prefix, spaces to an 8-aligned data section) and reads the prefix
+    back; a signed file and a store's parts are framed and read with the same two functions."""
+    from kvrelay.kv.sign import Key, sign_parts
+    from kvrelay.kv.wire_header import framed_header, header_length
+    from kvrelay.transport.bytestore import header_bytes
+
+    for n in range(0, 20):
+        head = framed_header(b"{" + b"x" * n + b"}")
+        assert len(head) % 8 == 0 and head[8:].rstrip(b" ") == b"{" + b"x" * n + b"}"
+        assert header_length(head) == len(head) - 8 == int.from_bytes(head[:8], "little")
+        assert header_bytes([memoryview(head[:3]), memoryview(head[3:] + b"tensors")]) == head
+    with pytest.raises(CorruptPayload, match=r"^truncated payload: 7 bytes, expected at least 8"):
+        header_length(bytes(7))
+    key = Key("hmac", "k", b"\x07" * 32)  # made-up secret
+    signed = sign_parts(wire.encode_parts(payload), key)
+    assert header_length(signed[0]) == len(signed[0]) - 8 and len(signed[0]) % 8 == 0
+    assert_same(wire.decode(b"".join(bytes(p) for p in signed)), payload)
+    for cut in (5, 12):  # shorter than the prefix, or than the header it declares
+        with pytest.raises(ValueError, match="length prefix and header as its first buffer"):
+            sign_parts([bytes(signed[0][:cut]), *signed[1:]], key)

@@ -114,3 +114,28 @@ def test_compressed_key_and_batches(store):
         put_payload(store, two, "int8")
     put_payload(store, two, "int8", key="my batch")
     assert get_payload(store, "my batch").batch_size == 2
+
+
+def test_a_put_hashes_each_block_of_its_tokens_once(monkeypatch):
+    """The key, the prefix entries and the whole hash of a raw put come from one pass over the chain: as many
+    sha256 as the chain has links (seed, 2 full blocks, the partial one for 40 tokens), the same key and entries."""
+    import hashlib
+
+    from kvrelay.transport import keys
+
+    p, store = fake_payload(3, T=40), MemoryStore()
+    want_key = keys.key_for(FP, p.token_ids[0])
+    want_entries = keys.prefix_entries(want_key, p)
+    calls = []
+
+    class Counting:  # hashlib as keys.py sees it, counting its sha256 calls
+        def sha256(self, data=b""):
+            calls.append(len(data))
+            return hashlib.sha256(data)
+
+    monkeypatch.setattr(keys, "hashlib", Counting())
+    assert put_payload(store, p) == want_key and len(calls) == 4
+    monkeypatch.undo()
+    assert same(get_payload(store, want_key), p)
+    assert [(b, e) for b, e in want_entries] == keys.prefix_entries(want_key, p, hashes=keys.payload_chain(p))
+    assert store.longest_prefix(FP, p.token_ids[0, :35]) == (want_key, 35)

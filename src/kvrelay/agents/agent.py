@@ -84,6 +84,7 @@ class Agent:
         self.verify = verify  # recompute part of every payload of its own model before using it (agents.verify)
         self.budget = receiver_budget(budget)
         self.stop_ids = self._stop_ids()
+        self._system: tuple[tuple[PromptFormat, str], tuple[int, ...]] | None = None  # system_ids, per format and role
 
     # -- tokens ------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -100,9 +101,17 @@ class Agent:
             ids |= {i for i in self.encode("\n\n")[-1:]}
         return ids
 
+    def system_ids(self) -> list[int]:
+        """Tokens of this agent's role as a system turn (none without a role): what it reads first and the
+        prefix it keeps in the replace layout. Encoded once per format and role."""
+        key = (self.fmt, self.role)
+        if self._system is None or self._system[0] != key:
+            self._system = (key, tuple(self.encode(self.fmt.system(self.role))))
+        return list(self._system[1])
+
     def reading_ids(self, text: str) -> list[int]:
         """Tokens of this agent reading ``text``: its role as system prompt, then the text as a user turn."""
-        return self.encode(self.fmt.system(self.role)) + self.encode(self.fmt.user(text))
+        return self.system_ids() + self.encode(self.fmt.user(text))
 
     def prompt_ids(self, prompt: str, *, with_role: bool = True) -> list[int]:
         """Tokens this agent appends to answer ``prompt`` (role folded into the turn in the continue layout)."""
@@ -170,7 +179,7 @@ class Agent:
         return usable
 
     def _prefix_payload(self) -> KVPayload | None:
-        ids = self.encode(self.fmt.system(self.role))
+        ids = self.system_ids()
         return self.prefill(ids) if ids else None
 
     def respond(self, prompt: str, context: Context = None, *, layout: str = "continue",
@@ -223,7 +232,7 @@ class Agent:
         else:
             pre = self._context_ids(context)
             if layout == "replace":
-                ids = self.encode(self.fmt.system(self.role)) + pre + self.prompt_ids(prompt, with_role=False)
+                ids = self.system_ids() + pre + self.prompt_ids(prompt, with_role=False)
             else:
                 ids = pre + self.prompt_ids(prompt)
             cache = self._empty_cache()

@@ -109,7 +109,7 @@ def _records_done(path: Path) -> set[tuple[str, str, int]]:
 def wrapper_ids(agent: Agent) -> tuple[list[int], list[int]]:
     """The tokens ``agent`` reads before and after a context's text (role as system prompt, user turn)."""
     user_head, _, user_tail = agent.fmt.user_tpl.partition("{text}")
-    return agent.encode(agent.fmt.system(agent.role)) + agent.encode(user_head), agent.encode(user_tail)
+    return agent.system_ids() + agent.encode(user_head), agent.encode(user_tail)
 
 
 def length_matched(agent: Agent, tasks: list[Task], j: int, length: int, partner: KVPayload | None = None) -> KVPayload:

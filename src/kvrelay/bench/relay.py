@@ -9,18 +9,24 @@ repeats:
   context already in place: what is left if the relay (encode, transfer, cache build) cost nothing.
 * ``encode_s``/``decode_s`` — the payload through the ``kvrelay/1`` wire format, in memory.
 * ``outputs_identical`` — the greedy answers of both modes are the same tokens.
+
+The run records the machine's 1-minute load before every repeat and after the last
+(``load_average``, labelled by ``bench.quiet.load_status``): other work on the cores slows both
+sides of each ratio unevenly.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.bench.pipeline import above_ideal
+from kvrelay.bench.quiet import LoadReader, load1, load_status
 from kvrelay.core.corpus import prose
 
 QUESTION = "In one sentence, what is the main topic of the text above?"
@@ -69,7 +75,9 @@ def _wire_roundtrip(payload):
 
 
 def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, question: str = QUESTION,
-              progress=None) -> RelayRow:
+              progress=None, before_repeat: Callable[[], None] | None = None) -> RelayRow:
+    """One context size: ``repeats`` interleaved text and kv answers; ``before_repeat`` is called as each
+    repeat starts (``bench_relay`` reads the load there)."""
     sender = Agent(lm, "sender", role="You are a careful reader.")
     receiver = Agent(lm, "receiver", max_new_tokens=max_new_tokens)
     ids = context_ids(sender, n_tokens)
@@ -78,6 +86,8 @@ def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, que
     text_t, kv_t, recv_t, build_t, encs, decs = [], [], [], [], [enc_s], [dec_s]
     text_ans = kv_ans = None
     for r in range(repeats):
+        if before_repeat:
+            before_repeat()
         order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
         for mode in order:
             if mode == "text":
@@ -108,14 +118,23 @@ def bench_one(lm, n_tokens: int, repeats: int = 3, max_new_tokens: int = 16, que
     )
 
 
-def bench_relay(lm, sizes: list[int], repeats: int = 3, max_new_tokens: int = 16, show_progress: bool = True) -> dict:
+def bench_relay(lm, sizes: list[int], repeats: int = 3, max_new_tokens: int = 16, show_progress: bool = True,
+                load: LoadReader = load1) -> dict:
+    """The `bench relay` JSON (docs/json.md): one row per context size, and ``load_average``
+    ({load1_before_repeat: every size's repeats in order, load1_after, status, limit, max})."""
     from tqdm import tqdm
 
-    rows = []
+    threads = torch.get_num_threads()
+    rows: list[dict] = []
+    before: list[float] = []
     with tqdm(total=len(sizes) * repeats * 2, desc="bench relay", unit="run", disable=not show_progress) as bar:
         for n in sizes:
             bar.set_postfix_str(f"{n} tokens")
-            rows.append(asdict(bench_one(lm, n, repeats, max_new_tokens, progress=bar.update)))
-    return {"model": lm.name, "fingerprint": lm.identity.fingerprint, "threads": torch.get_num_threads(),
-            "repeats": repeats, "max_new_tokens": max_new_tokens, "rows": rows}
+            rows.append(asdict(bench_one(lm, n, repeats, max_new_tokens, progress=bar.update,
+                                         before_repeat=lambda: before.append(round(load(), 2)))))
+    after = round(load(), 2)
+    return {"model": lm.name, "fingerprint": lm.identity.fingerprint, "threads": threads,
+            "repeats": repeats, "max_new_tokens": max_new_tokens, "rows": rows,
+            "load_average": {"load1_before_repeat": before, "load1_after": after,
+                             **load_status([*before, after], threads)}}
 

@@ -239,7 +239,9 @@ def bench_relay_cmd(
     res = bench_relay(lm, sizes, repeats, max_new_tokens, show_progress=not common.state.quiet)
     res["engine"] = lm.engine
     res["command"] = common.command_line()
-    t = Table(title=f"bench relay — {model}, engine {lm.engine} (medians of {repeats})")
+    load = res["load_average"]
+    t = Table(title=f"bench relay — {model}, engine {lm.engine} (medians of {repeats}; {load['status'].upper()}: "
+                    f"1-min load up to {load['max']:.1f}, quiet <= {load['limit']:g})")
     for c in ("context", "text TTFT s", "kv TTFT s", "speedup", "ideal", "payload MB", "encode s", "decode s",
               "identical"):
         t.add_column(c, justify="right")

@@ -3,7 +3,7 @@
 The wire checksums (``kv.wire``) prove that bytes are the bytes that were written, not who wrote
 them: anyone who can write to a store can rewrite a payload and its digests together. A signature
 closes that. What is signed is the *unsigned root*: the root sha256 the file's header would carry
-without its ``signature`` metadata field (``kv.wire_header._root_digest`` over every other metadata
+without its ``signature`` metadata field (``kv.wire_header.root_digest`` over every other metadata
 field and the tensor list; the metadata includes every tensor's own sha256). So one signature pins
 every tensor byte and every metadata field, the producer's name and round included, and is checked
 from the header alone, before any tensor is read. The ``signature`` field itself is ordinary
@@ -42,7 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.core.errors import BadSignature, InvalidInput, UnsignedPayload
-from kvrelay.kv.wire_header import Header, Source, TensorEntry, _root_digest, read_header
+from kvrelay.kv.wire_header import (
+    PREFIX_BYTES,
+    Header,
+    Source,
+    TensorEntry,
+    framed_header,
+    header_length,
+    read_header,
+    root_digest,
+)
 
 SIGNATURE_FIELD = "signature"
 ALGS = ("hmac", "ed25519")
@@ -207,7 +216,7 @@ def keyring_from(path: str | os.PathLike | None = None, *, env: str = KEYS_ENV,
 
 # -- signing and checking kvrelay/1 bytes -------------------------------------------------------
 def _unsigned_root(meta: Mapping[str, str], tensors: Mapping[str, TensorEntry]) -> str:
-    return _root_digest({k: v for k, v in meta.items() if k != SIGNATURE_FIELD}, tensors)
+    return root_digest({k: v for k, v in meta.items() if k != SIGNATURE_FIELD}, tensors)
 
 
 def _header_meta(h: Header) -> dict[str, str]:
@@ -222,10 +231,9 @@ def sign_parts(parts: Sequence, key: Key) -> list:
     are passed on untouched, so signing costs a hash of the header, not of the tensors.
     """
     head = bytes(parts[0])
-    n = int.from_bytes(head[:8], "little")
-    if len(head) != 8 + n:
+    if len(head) < PREFIX_BYTES or len(head) != PREFIX_BYTES + header_length(head):
         raise ValueError("sign_parts takes pack_parts output: the length prefix and header as its first buffer")
-    header = json.loads(head[8:].decode("utf-8"))
+    header = json.loads(head[PREFIX_BYTES:].decode("utf-8"))
     meta = dict(header.pop("__metadata__"))
     if SIGNATURE_FIELD in meta:
         raise ValueError("the payload is signed already")
@@ -236,11 +244,9 @@ def sign_parts(parts: Sequence, key: Key) -> list:
     body = {k: v for k, v in meta.items() if k != "sha256"}
     sig = {"alg": key.alg, "key": key.id, "sig": key.sign(_unsigned_root(body, entries))}
     body[SIGNATURE_FIELD] = json.dumps(sig, sort_keys=True)
-    body["sha256"] = _root_digest(body, entries)
+    body["sha256"] = root_digest(body, entries)
     header["__metadata__"] = body
-    new = json.dumps(header, separators=(",", ":")).encode()
-    new += b" " * (-(8 + len(new)) % 8)
-    return [len(new).to_bytes(8, "little") + new, *parts[1:]]
+    return [framed_header(json.dumps(header, separators=(",", ":")).encode()), *parts[1:]]
 
 
 def check_signature(data: Source | Header, keyring: Keyring) -> str:

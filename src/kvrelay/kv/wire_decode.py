@@ -29,10 +29,10 @@ from kvrelay.kv.wire_header import (
     MAX_TOTAL_BYTES,
     Header,
     Source,
-    _file_header,
-    _parse_header,
-    _reader,
-    _tensor_digest,
+    buffer_reader,
+    file_header,
+    parse_header,
+    tensor_digest,
 )
 from kvrelay.kv.wire_layout import check_layout
 from kvrelay.models.identity import ModelIdentity
@@ -48,7 +48,7 @@ def _read(buf: memoryview, h: Header, name: str, verify: bool, index: tuple[slic
     e = h.tensors[name]
     raw = buf[h.data_start + e.begin:h.data_start + e.end]
     if verify:
-        got = _tensor_digest(name, e.dtype, e.shape, raw)
+        got = tensor_digest(name, e.dtype, e.shape, raw)
         if got != h.digests[name]:
             raise CorruptPayload(f"tensor {name!r}: sha256 mismatch (header says {h.digests[name]}, bytes hash to {got})")
     itemsize = e.torch_dtype.itemsize
@@ -84,7 +84,7 @@ def unpack(data: Source, *, names: Names = None, max_header_bytes: int = MAX_HEA
     The metadata returned excludes the integrity fields. Tensors are fresh copies.
     """
     buf = memoryview(data).cast("B")
-    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=max_total_bytes)
+    h = parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=max_total_bytes)
     return {n: _read(buf, h, n, verify) for n in _pick(h, names)}, dict(h.meta)
 
 
@@ -202,7 +202,7 @@ def decode(data: Source, *, expect: ModelIdentity | None = None, layers: range |
     A partial decode equals ``select_tokens(select_layers(full, layers), range(T)[tokens])``.
     """
     buf = memoryview(data).cast("B")
-    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=max_total_bytes)
+    h = parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=max_total_bytes)
     return _decode(buf, h, expect, layers, tokens, verify=True)
 
 
@@ -210,7 +210,7 @@ def decode_compressed(data: Source, *, expect: ModelIdentity | None = None,
                       max_header_bytes: int = MAX_HEADER_BYTES) -> Compressed:
     """kvrelay/1 bytes of any codec's output -> ``Compressed`` (not decompressed), checked like ``decode``."""
     buf = memoryview(data).cast("B")
-    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+    h = parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
     m = _payload_meta(h)
     _check_expected(m, expect)
     check_layout(_specs(h), m)
@@ -225,7 +225,7 @@ def decoded_nbytes(data: Source, *, max_header_bytes: int = MAX_HEADER_BYTES) ->
     it counts are the ones ``decode`` would accept, so a header cannot declare one size and decode to
     another); the tensors' digests are not, since no tensor is read."""
     buf = memoryview(data).cast("B")
-    h = _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+    h = parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
     m = _payload_meta(h)
     B, T = check_layout(_specs(h), m)
     itemsize = DTYPES[m.dtype].itemsize  # every codec decodes to the metadata's float dtype
@@ -247,7 +247,7 @@ def load(path: str | os.PathLike, *, expect: ModelIdentity | None = None, layers
     the mapping; only the selected slice is copied out).
     """
     with open(path, "rb") as f:
-        h = _file_header(f, max_header_bytes)
+        h = file_header(f, max_header_bytes)
         if h.data_start == os.fstat(f.fileno()).st_size:  # no tensor bytes at all: nothing to map
             return _decode(memoryview(b""), h, expect, layers, tokens, verify=True)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

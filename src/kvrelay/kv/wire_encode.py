@@ -16,12 +16,13 @@ import torch
 
 from kvrelay.kv.payload import FORMAT, KVPayload, payload_tensors
 from kvrelay.kv.wire_header import (
-    _ST_CODES,
     INTEGRITY_KEYS,
+    ST_CODES,
     Source,
     TensorEntry,
-    _root_digest,
-    _tensor_digest,
+    framed_header,
+    root_digest,
+    tensor_digest,
 )
 
 
@@ -48,8 +49,8 @@ def pack_parts(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> 
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise ValueError("metadata must map str to str")
     for name, t in tensors.items():
-        if t.dtype not in _ST_CODES:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}; kvrelay/1 allows {sorted(map(str, _ST_CODES))}")
+        if t.dtype not in ST_CODES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}; kvrelay/1 allows {sorted(map(str, ST_CODES))}")
     # Widest dtypes first (as safetensors does) keeps every tensor aligned to its element size.
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     raws, entries, digests, offset = [], {}, {}, 0
@@ -57,18 +58,17 @@ def pack_parts(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> 
         t = tensors[name]
         raw = _raw(t)
         nbytes = t.numel() * t.element_size()
-        entry = TensorEntry(_ST_CODES[t.dtype], tuple(t.shape), offset, offset + nbytes)
+        entry = TensorEntry(ST_CODES[t.dtype], tuple(t.shape), offset, offset + nbytes)
         entries[name], offset = entry, offset + nbytes
-        digests[name] = _tensor_digest(name, entry.dtype, entry.shape, raw)
+        digests[name] = tensor_digest(name, entry.dtype, entry.shape, raw)
         raws.append(raw)
     full_meta = {**meta, "format": FORMAT, "tensor_sha256": json.dumps(digests, sort_keys=True)}
-    full_meta["sha256"] = _root_digest(full_meta, entries)
+    full_meta["sha256"] = root_digest(full_meta, entries)
     header = {n: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
               for n, e in entries.items()}
     header["__metadata__"] = full_meta
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % 8)  # data section starts 8-aligned
-    return [len(head).to_bytes(8, "little") + head, *(memoryview(r).cast("B") for r in raws)]
+    head = framed_header(json.dumps(header, separators=(",", ":")).encode())
+    return [head, *(memoryview(r).cast("B") for r in raws)]
 
 
 def encode(p: KVPayload, *, extra_meta: Mapping[str, str] | None = None) -> bytes:

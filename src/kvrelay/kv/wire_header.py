@@ -19,6 +19,7 @@ import torch
 from kvrelay.core.errors import CorruptPayload
 from kvrelay.kv.payload import DTYPES, FORMAT
 
+PREFIX_BYTES = 8  # a file starts with its JSON header's length in bytes, uint64 little-endian
 MAX_HEADER_BYTES = 16 << 20  # a 100-layer payload's header is ~30 KB; anything near this is hostile
 MAX_TOTAL_BYTES = 64 << 30
 INTEGRITY_KEYS = ("sha256", "tensor_sha256")
@@ -26,8 +27,8 @@ INTEGRITY_KEYS = ("sha256", "tensor_sha256")
 # safetensors dtype code <-> torch dtype: the only dtypes a kvrelay/1 file may hold.
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
               "U8": torch.uint8, "I64": torch.int64, "BOOL": torch.bool}
-_ST_CODES = {dt: code for code, dt in _ST_DTYPES.items()}
-_PAYLOAD_DTYPE_CODES = {name: _ST_CODES[dt] for name, dt in DTYPES.items()}  # "float32" -> "F32"
+ST_CODES = {dt: code for code, dt in _ST_DTYPES.items()}
+_PAYLOAD_DTYPE_CODES = {name: ST_CODES[dt] for name, dt in DTYPES.items()}  # "float32" -> "F32"
 
 Source = bytes | bytearray | memoryview
 
@@ -53,17 +54,32 @@ class Header:
     tensors: dict[str, TensorEntry]
     meta: dict[str, str]  # every metadata field except the integrity ones
     digests: dict[str, str]  # tensor name -> sha256
-    data_start: int  # absolute offset of the data section (8 + header length)
+    data_start: int  # absolute offset of the data section (PREFIX_BYTES + header length)
 
 
-def _tensor_digest(name: str, dtype: str, shape: tuple[int, ...], raw) -> str:
+def framed_header(header_json: bytes) -> bytes:
+    """The start of a file: the length prefix, then ``header_json`` padded with spaces so that the data
+    section after it starts 8-aligned."""
+    head = header_json + b" " * (-(PREFIX_BYTES + len(header_json)) % 8)
+    return len(head).to_bytes(PREFIX_BYTES, "little") + head
+
+
+def header_length(prefix: Source) -> int:
+    """The JSON header's length that a file's first ``PREFIX_BYTES`` bytes declare (``prefix`` may hold more)."""
+    n = len(prefix)
+    if n < PREFIX_BYTES:
+        raise CorruptPayload(f"truncated payload: {n} bytes, expected at least {PREFIX_BYTES} (the header length)")
+    return int.from_bytes(prefix[:PREFIX_BYTES], "little")
+
+
+def tensor_digest(name: str, dtype: str, shape: tuple[int, ...], raw) -> str:
     h = hashlib.sha256()
     h.update(f"{name}\0{dtype}\0{json.dumps(list(shape))}\0".encode())
     h.update(raw)
     return h.hexdigest()
 
 
-def _root_digest(meta: Mapping[str, str], tensors: Mapping[str, TensorEntry]) -> str:
+def root_digest(meta: Mapping[str, str], tensors: Mapping[str, TensorEntry]) -> str:
     """sha256 over all metadata but ``sha256`` itself and the sorted (name, dtype, shape) list."""
     body = {
         "metadata": {k: v for k, v in meta.items() if k != "sha256"},
@@ -72,18 +88,16 @@ def _root_digest(meta: Mapping[str, str], tensors: Mapping[str, TensorEntry]) ->
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_bytes: int,
-                  max_total_bytes: int) -> Header:
+def parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_bytes: int,
+                 max_total_bytes: int) -> Header:
     """Validate a header using only ``read(offset, n)`` and the total ``size``; allocates ≤ the header."""
-    if size < 8:
-        raise CorruptPayload(f"truncated payload: {size} bytes, expected at least 8 (the header length)")
-    n = int.from_bytes(read(0, 8), "little")
+    n = header_length(read(0, PREFIX_BYTES))  # refuses fewer bytes
     if n > max_header_bytes:
         raise CorruptPayload(f"header length {n} bytes exceeds the limit of {max_header_bytes} bytes")
-    if 8 + n > size:
-        raise CorruptPayload(f"truncated payload: header declares {n} bytes but only {size - 8} follow")
+    if PREFIX_BYTES + n > size:
+        raise CorruptPayload(f"truncated payload: header declares {n} bytes but only {size - PREFIX_BYTES} follow")
     try:
-        header = json.loads(bytes(read(8, n)).decode("utf-8"))
+        header = json.loads(bytes(read(PREFIX_BYTES, n)).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptPayload(f"header is not valid UTF-8 JSON ({e}); expected a safetensors header") from None
     except RecursionError:
@@ -100,7 +114,7 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
         raise CorruptPayload(f"metadata fields {nonstr} are not strings; safetensors metadata maps str to str")
     if any(k not in meta for k in INTEGRITY_KEYS):
         raise CorruptPayload(f"metadata lacks the checksums {list(INTEGRITY_KEYS)}")
-    data_len = size - 8 - n
+    data_len = size - PREFIX_BYTES - n
     if data_len > max_total_bytes:
         raise CorruptPayload(f"data section of {data_len} bytes exceeds the limit of {max_total_bytes} bytes")
     tensors = {name: _parse_entry(name, spec, data_len) for name, spec in header.items()}
@@ -120,12 +134,12 @@ def _parse_header(read: Callable[[int, int], bytes], size: int, *, max_header_by
     bad = sorted(n for n, d in digests.items() if not _is_hex_digest(d))
     if bad:
         raise CorruptPayload(f"tensor_sha256 of {bad} is not a sha256 hex digest (64 lowercase hex digits)")
-    got = _root_digest(meta, tensors)
+    got = root_digest(meta, tensors)
     if got != meta["sha256"]:
         raise CorruptPayload(f"checksum mismatch: header sha256 is {meta['sha256']!r}, "
                              f"the metadata and tensor digests hash to {got!r}")
     plain = {k: v for k, v in meta.items() if k not in INTEGRITY_KEYS}
-    return Header(tensors, plain, digests, 8 + n)
+    return Header(tensors, plain, digests, PREFIX_BYTES + n)
 
 
 def _parse_entry(name: str, spec, data_len: int) -> TensorEntry:
@@ -151,7 +165,8 @@ def _is_hex_digest(d: object) -> bool:
     return isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d)
 
 
-def _reader(buf: memoryview) -> Callable[[int, int], bytes]:
+def buffer_reader(buf: memoryview) -> Callable[[int, int], bytes]:
+    """``read(offset, n)`` over a byte view, for ``parse_header``."""
     return lambda off, n: buf[off:off + n]
 
 
@@ -159,29 +174,30 @@ def read_meta(source: Source | str | os.PathLike, *, max_header_bytes: int = MAX
     """The validated metadata of a payload (bytes or a file), reading only its header."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         buf = memoryview(source).cast("B")
-        return _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes,
+        return parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes,
                              max_total_bytes=MAX_TOTAL_BYTES).meta
     with open(source, "rb") as f:
-        return _file_header(f, max_header_bytes).meta
+        return file_header(f, max_header_bytes).meta
 
 
 def read_header(data: Source, *, max_header_bytes: int = MAX_HEADER_BYTES) -> Header:
     """The validated header of kvrelay/1 bytes (root checksum checked; tensors not read)."""
     buf = memoryview(data).cast("B")
-    return _parse_header(_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
+    return parse_header(buffer_reader(buf), buf.nbytes, max_header_bytes=max_header_bytes, max_total_bytes=MAX_TOTAL_BYTES)
 
 
 def tensor_intact(data: Source, h: Header, name: str) -> bool:
     """Whether tensor ``name``'s bytes still hash to the digest its header records."""
     e, buf = h.tensors[name], memoryview(data).cast("B")
     raw = buf[h.data_start + e.begin:h.data_start + e.end]
-    return _tensor_digest(name, e.dtype, e.shape, raw) == h.digests[name]
+    return tensor_digest(name, e.dtype, e.shape, raw) == h.digests[name]
 
 
-def _file_header(f, max_header_bytes: int) -> Header:
+def file_header(f, max_header_bytes: int) -> Header:
+    """The validated header of an open kvrelay/1 file, read with seeks (tensors not read)."""
     def read(off: int, n: int) -> bytes:
         f.seek(off)
         return f.read(n)
 
-    return _parse_header(read, os.fstat(f.fileno()).st_size, max_header_bytes=max_header_bytes,
+    return parse_header(read, os.fstat(f.fileno()).st_size, max_header_bytes=max_header_bytes,
                          max_total_bytes=MAX_TOTAL_BYTES)

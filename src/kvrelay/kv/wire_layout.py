@@ -24,20 +24,20 @@ from kvrelay.kv.codecs import Encoding, codec_of
 from kvrelay.kv.layout import TOKEN_TENSORS, held_tokens, tensor_name
 from kvrelay.kv.payload import PayloadMeta
 from kvrelay.kv.quant import QUANT_PARTS, SCALE_DTYPE, quantized_shapes
-from kvrelay.kv.wire_header import _ST_CODES
+from kvrelay.kv.wire_header import ST_CODES
 
 # name -> (safetensors dtype code, shape): what a header declares, or what tensors in memory are.
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]
-_CODES_DTYPE, _STATS_DTYPE = "U8", _ST_CODES[SCALE_DTYPE]
+_CODES_DTYPE, _STATS_DTYPE = "U8", ST_CODES[SCALE_DTYPE]
 
 
 def specs_of(tensors: Mapping) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``Specs`` of torch tensors (a dtype kvrelay/1 cannot hold is corrupt)."""
     out = {}
     for name, t in tensors.items():
-        if t.dtype not in _ST_CODES:
+        if t.dtype not in ST_CODES:
             raise CorruptPayload(f"tensor {name!r} has dtype {t.dtype}, which kvrelay/1 does not hold")
-        out[name] = (_ST_CODES[t.dtype], tuple(t.shape))
+        out[name] = (ST_CODES[t.dtype], tuple(t.shape))
     return out
 
 
@@ -100,7 +100,7 @@ def check_layout(specs: Specs, m: PayloadMeta) -> tuple[int, int]:
     extra = sorted(set(specs) - set(need) - set(TOKEN_TENSORS))
     if extra:
         raise CorruptPayload(f"payload holds tensors {extra} that {n} layers under codec {m.codec} do not have")
-    want = None if enc.kind == "int" else _ST_CODES[enc.float_dtype(m.dtype)]
+    want = None if enc.kind == "int" else ST_CODES[enc.float_dtype(m.dtype)]
     for j in range(n):
         held = held_tokens(m.layer_types[j], m.sliding_window, T)
         if want is None:

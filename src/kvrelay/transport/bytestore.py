@@ -68,12 +68,13 @@ def header_bytes(parts: Sequence[memoryview]) -> bytes:
     """The kvrelay/1 length prefix + JSON header at the start of ``parts`` (it names the version: every
     tensor digest is in it). Raises ``CorruptPayload`` when the bytes cannot start a kvrelay/1 file."""
     from kvrelay.core.errors import CorruptPayload
+    from kvrelay.kv.wire_header import PREFIX_BYTES, header_length
 
     head = bytearray()
     for p in parts:
         off = 0
         while True:
-            want = 8 if len(head) < 8 else 8 + int.from_bytes(head[:8], "little")
+            want = PREFIX_BYTES if len(head) < PREFIX_BYTES else PREFIX_BYTES + header_length(head)
             if len(head) >= want:
                 return bytes(head)
             if off >= p.nbytes:

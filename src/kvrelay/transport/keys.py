@@ -55,15 +55,32 @@ def _step(prev: bytes, block: np.ndarray) -> bytes:
     return hashlib.sha256(prev + block.tobytes()).digest()
 
 
-def block_hashes(fingerprint: str, token_ids: Tokens, block: int = BLOCK_TOKENS) -> list[str]:
-    """``[h_0, h_1, ..., h_m]`` at every full-block boundary ``i * block`` (``m = T // block``)."""
+@dataclass(frozen=True, slots=True)
+class ChainHashes:
+    """One pass over a token sequence's chain: what a put needs (its key, its index entries, its hash)."""
+
+    boundaries: tuple[str, ...]  # h_0 .. h_m at every full-block boundary i * block (m = T // block)
+    full: str  # the whole sequence's hash (its last, partial, block included); h_m when T is a multiple
+
+
+def chain_hashes(fingerprint: str, token_ids: Tokens, block: int = BLOCK_TOKENS, *, with_full: bool = True) -> ChainHashes:
+    """The chain of ``token_ids``, each block hashed once. ``with_full=False`` skips the partial last block
+    (``full`` is then "" when there is one): a lookup needs only the boundaries."""
     ids = _as_ints(token_ids)
     h = _seed(fingerprint)
     out = [h.hex()]
-    for i in range(len(ids) // block):
+    m = len(ids) // block
+    for i in range(m):
         h = _step(h, ids[i * block:(i + 1) * block])
         out.append(h.hex())
-    return out
+    if m * block == len(ids):
+        return ChainHashes(tuple(out), out[-1])
+    return ChainHashes(tuple(out), _step(h, ids[m * block:]).hex() if with_full else "")
+
+
+def block_hashes(fingerprint: str, token_ids: Tokens, block: int = BLOCK_TOKENS) -> list[str]:
+    """``[h_0, h_1, ..., h_m]`` at every full-block boundary ``i * block`` (``m = T // block``)."""
+    return list(chain_hashes(fingerprint, token_ids, block, with_full=False).boundaries)
 
 
 def sequence_hash(fingerprint: str, token_ids: Tokens, block: int = BLOCK_TOKENS) -> str:
@@ -71,9 +88,7 @@ def sequence_hash(fingerprint: str, token_ids: Tokens, block: int = BLOCK_TOKENS
     ids = _as_ints(token_ids)
     if len(ids) == 0:
         raise ValueError("cannot key an empty token sequence")
-    full = len(ids) // block * block
-    h = bytes.fromhex(block_hashes(fingerprint, ids[:full], block)[-1])
-    return (_step(h, ids[full:]) if full < len(ids) else h).hex()
+    return chain_hashes(fingerprint, ids, block).full
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +123,25 @@ def single_sequence(p: KVPayload) -> torch.Tensor | None:
     return p.token_ids[0]
 
 
-def payload_key(p: KVPayload, block: int = BLOCK_TOKENS) -> str:
-    """The content address of a single, unpadded payload: model fingerprint + chain hash of its tokens."""
+def payload_chain(p: KVPayload, block: int = BLOCK_TOKENS) -> ChainHashes | None:
+    """The chain of a single, unpadded payload's tokens (None for a batch or a padded one): computed once per
+    put, it gives the key (``payload_key``), the index entries (``prefix_entries``) and the whole hash."""
     ids = single_sequence(p)
     if ids is None:
+        return None
+    if ids.numel() == 0:
+        raise ValueError("cannot key an empty token sequence")
+    return chain_hashes(p.meta.model_fingerprint, ids, block)
+
+
+def payload_key(p: KVPayload, block: int = BLOCK_TOKENS, *, hashes: ChainHashes | None = None) -> str:
+    """The content address of a single, unpadded payload: model fingerprint + chain hash of its tokens.
+    ``hashes``: its ``payload_chain``, when the caller has it."""
+    hashes = payload_chain(p, block) if hashes is None else hashes
+    if hashes is None:
         raise ValueError(f"only a single unpadded sequence has a content key (batch {p.batch_size}, "
                          f"{int((~p.mask).sum())} padding slots); pick your own key for batches")
-    return key_for(p.meta.model_fingerprint, ids, block)
+    return str(PayloadKey(p.meta.model_fingerprint[:16], hashes.full))
 
 
 # -- prefix index ----------------------------------------------------------------------------
@@ -142,25 +169,27 @@ class PrefixEntry:
         return cls(d["key"], int(d["start"]), tuple(int(t) for t in d["tail"]), bool(d["cut"]), d["full"])
 
 
-def prefix_entries(key: str, p: KVPayload, block: int = BLOCK_TOKENS) -> list[tuple[str, PrefixEntry]]:
+def prefix_entries(key: str, p: KVPayload, block: int = BLOCK_TOKENS, *,
+                   hashes: ChainHashes | None = None) -> list[tuple[str, PrefixEntry]]:
     """``(boundary hash, entry)`` pairs to index for payload ``p`` stored under ``key`` (one per boundary).
 
     A payload of full-attention layers can be cut after any token (``select_tokens``), so each of
     its blocks is indexed under the boundary before it. Sliding-window layers hold only the last
     ``window - 1`` tokens, so nothing shorter can be cut from them: one entry, for the whole
-    sequence. Batches and padded payloads are not indexed.
+    sequence. Batches and padded payloads are not indexed. ``hashes``: its ``payload_chain``, when the
+    caller has it.
     """
     ids_t = single_sequence(p)
     if ids_t is None:
         return []
     ids = _as_ints(ids_t)
-    fp, T = p.meta.model_fingerprint, len(ids)
-    hashes = block_hashes(fp, ids, block)
-    full = sequence_hash(fp, ids, block)
+    T = len(ids)
+    c = payload_chain(p, block) if hashes is None else hashes
+    bounds, full = c.boundaries, c.full
     if any_sliding(p.meta.layer_types, p.meta.sliding_window):
         i = (T - 1) // block  # the boundary before the last (possibly partial) block
-        return [(hashes[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:]), False, full))]
-    return [(hashes[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:(i + 1) * block]), True, full))
+        return [(bounds[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:]), False, full))]
+    return [(bounds[i], PrefixEntry(key, i * block, tuple(int(t) for t in ids[i * block:(i + 1) * block]), True, full))
             for i in range(math.ceil(T / block))]
 
 

@@ -27,16 +27,11 @@ from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.keys import (
     key_for,
     parse_key,
+    payload_chain,
     payload_key,
     prefix_entries,
-    sequence_hash,
     single_sequence,
 )
-
-
-def _full_hash(p: KVPayload) -> str:
-    ids = single_sequence(p)
-    return sequence_hash(p.meta.model_fingerprint, ids) if ids is not None else ""
 
 
 def compressed_key(c: codecs.Compressed) -> str:
@@ -66,9 +61,11 @@ def put_payload(store: ByteStore, payload: KVPayload | codecs.Compressed, codec:
     (``model=``, ``probe_ids=``, ... for eviction)."""
     c = _compressed(payload, codec, codec_ctx)
     if c is None:
-        key = payload_key(payload) if key is None else key
-        store.put_bytes(key, _signed(wire.encode_parts(payload), signer), ttl_s, index=prefix_entries(key, payload),
-                        full_hash=_full_hash(payload))
+        hashes = payload_chain(payload)  # the tokens hashed once: key, index entries and whole hash
+        key = payload_key(payload, hashes=hashes) if key is None else key
+        store.put_bytes(key, _signed(wire.encode_parts(payload), signer), ttl_s,
+                        index=prefix_entries(key, payload, hashes=hashes) if hashes is not None else [],
+                        full_hash=hashes.full if hashes is not None else "")
         return key
     if key is None:
         key = payload_key(payload) + f"+{c.name}" if isinstance(payload, KVPayload) else compressed_key(c)

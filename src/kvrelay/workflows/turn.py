@@ -63,7 +63,7 @@ class TurnOut:
 def turn_ids(agent: Agent, prompt: str, base: Sequence[int], layout: str, answer: Sequence[int]) -> list[int]:
     """The tokens an agent's cache holds after its turn; equals the returned payload's ``token_ids``."""
     if layout == "replace":
-        head = agent.encode(agent.fmt.system(agent.role)) + list(base) + agent.prompt_ids(prompt, with_role=False)
+        head = agent.system_ids() + list(base) + agent.prompt_ids(prompt, with_role=False)
     else:
         head = list(base) + agent.prompt_ids(prompt)
     return head + list(answer) + agent.encode(agent.fmt.assistant_end)
@@ -86,7 +86,7 @@ def take_turn(agent: Agent, prompt: str, base: Sequence[int], cache: KVPayload |
     ids = turn_ids(agent, prompt, base, layout, r.token_ids)
     if r.payload is not None and r.payload.token_ids[0].tolist() != ids:
         raise RuntimeError(f"{agent.name}: payload tokens differ from the turn's token sequence")
-    prefix = len(agent.encode(agent.fmt.system(agent.role))) if (cache is not None and layout == "replace") else 0
+    prefix = len(agent.system_ids()) if (cache is not None and layout == "replace") else 0
     encode_s = (t2 - t1 - r.cache_build_s - r.prefill_s - r.decode_s) if r.payload is not None else 0.0
     return TurnOut(text=r.text, token_ids=tuple(r.token_ids), ids=tuple(ids),
                    input_tokens=r.prefill_tokens + r.relayed_tokens + prefix, prefill_tokens=r.prefill_tokens + prefix,
