@@ -43,6 +43,7 @@ from kvrelay.audit.tasks import scoring
 from kvrelay.audit.vocab import ADAPTER_ARMS, REGIMES, VARIANT_ARMS
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import append_json_lines, read_json_lines
+from kvrelay.core.records_file import records_file, unpack_records
 from kvrelay.kv.payload import KVPayload
 from kvrelay.workflows.executors import InProcessExecutor
 from kvrelay.workflows.run import run_workflow
@@ -139,7 +140,7 @@ def check_resume(out: Path | str) -> None:
     from kvrelay.audit.runner import _records_done
 
     out = Path(out)
-    if not _records_done(out / "records.jsonl"):
+    if not _records_done(records_file(out)):
         return
     cfg = out / "config.json"
     made = json.loads(cfg.read_text()).get("seed_design") if cfg.exists() else None
@@ -292,8 +293,7 @@ class EdgeAudit:
 
         check_resume(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / "records.jsonl"
-        done = _records_done(path)
+        done = _records_done(records_file(self.out))
         order = self.order()
         rank = {i: k for k, i in enumerate(order)}
         partners = self.partners()
@@ -315,15 +315,15 @@ class EdgeAudit:
             todo = [(a, s) for a in self.arms for s in self.seeds
                     if (f"{self.edge}/{x.id}", a.name, s) not in done]
             if todo:
-                self._run_input(path, x, prefix(i), todo, {s: partners[s][i] for s in self.seeds}, prefix)
+                self._run_input(x, prefix(i), todo, {s: partners[s][i] for s in self.seeds}, prefix)
             for j in [j for j in cache if last_use[j] <= k]:  # keep only prefixes a later input needs
                 del cache[j]
-        return path
+        return records_file(self.out)
 
-    def _run_input(self, path: Path, x: EdgeInput, pre: _Prefix, todo, partner: dict[int, int], prefix) -> None:
-        """``x``'s trials ``todo`` ((arm, seed) pairs), appended to the records at ``path``; a trial whose input
-        another seed already ran (same arm, and for a mismatch arm the same partner; never a random draw) is
-        copied (``reused``)."""
+    def _run_input(self, x: EdgeInput, pre: _Prefix, todo, partner: dict[int, int], prefix) -> None:
+        """``x``'s trials ``todo`` ((arm, seed) pairs), appended to the folder's records (a ``records.jsonl.gz``
+        unpacked first: ``core.records_file``); a trial whose input another seed already ran (same arm, and
+        for a mismatch arm the same partner; never a random draw) is copied (``reused``)."""
         others: dict[int, KVPayload] = {}  # partner index -> its length-matched cache
         memo: dict[tuple, dict] = {}
         for arm, seed in todo:
@@ -338,7 +338,7 @@ class EdgeAudit:
                 if j is not None:
                     row["partner"] = f"{self.edge}/{self.inputs[j].id}"
                 memo[key] = row
-            append_json_lines(path, [row])
+            append_json_lines(unpack_records(self.out), [row])
             self.progress(1)
 
     def config(self) -> dict:

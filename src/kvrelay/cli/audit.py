@@ -1,7 +1,7 @@
 """``kvrelay audit``: run a preset (or a custom config) and write records, summary and report.
 
     kvrelay audit --preset quick --model qwen2.5-coder-0.5b --out out/audit
-    kvrelay audit report out/audit        # rebuild summary.json / report.* from records.jsonl
+    kvrelay audit report out/audit        # rebuild summary.json / report.* from records.jsonl[.gz]
     kvrelay audit --workflow wf.toml --edge a->b --inputs in.jsonl --score contains --out out/edge
 """
 
@@ -28,6 +28,7 @@ from kvrelay.cli.common import (
     output_dir,
     progress_bar,
 )
+from kvrelay.core.records_file import DESCRIBED
 
 app = typer.Typer(help="Causal audit: does the relayed cache carry the right content, and what does it cost?",
                   invoke_without_command=True)
@@ -35,13 +36,13 @@ console = Console()
 
 
 def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) -> dict:
-    """Recompute ``summary.json`` and the reports from ``records.jsonl`` (see ``report.rebuild``)."""
+    """Recompute ``summary.json`` and the reports from the records (see ``report.rebuild``)."""
     from kvrelay.audit.report import rebuild
 
     try:
         paths = rebuild(out, margin=margin, n_boot=n_boot)
-    except FileNotFoundError as err:  # no folder or no records.jsonl: rebuild's message says which
-        raise v.InvalidInput(v.one_line(err), "an audit output folder with records.jsonl") from None
+    except FileNotFoundError as err:  # no folder or no records: rebuild's message says which
+        raise v.InvalidInput(v.one_line(err), f"an audit output folder with {DESCRIBED}") from None
     return {"summary": json.loads(paths["summary.json"].read_text()), "paths": paths}
 
 
@@ -265,8 +266,8 @@ def _run(cfg: AuditConfig, lm, out: Path) -> float:
 
 @app.command("report")
 def report(out: Path = typer.Argument(..., help="an audit output folder")):
-    """Rebuild summary.json, report.md and report.html from OUT/records.jsonl."""
-    v.existing_file(out / "records.jsonl", "OUT", "an audit output folder with records.jsonl")
+    """Rebuild summary.json, report.md and report.html from OUT/records.jsonl (or OUT/records.jsonl.gz)."""
+    v.records_of(out, "OUT", f"an audit output folder with {DESCRIBED}")
     res = finalize(out)
     _print_headline(res["summary"])
     console.print(f"report: {out / 'report.html'}")
