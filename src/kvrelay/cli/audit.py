@@ -106,6 +106,13 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                 raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers, "
                                      "kv_adapter_mismatched, kv_variant_mismatched) pairs each task with another task of its set",
                                      f"--limit (or NAME:COUNT) >= {v.MIN_TASKS_FOR_MISMATCH}")
+    check_sharers(parsed)
+    v.model(cfg.model)
+    return cfg
+
+
+def check_sharers(parsed) -> None:
+    """Each adapter arm's artefact and each variant arm's variant exists (before any model loads)."""
     for a in parsed:
         if a.adapter:
             from kvrelay.audit.channels import resolve
@@ -125,8 +132,6 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                 raise v.InvalidInput(f"--arms: {a.name}: {v.one_line(err)}",
                                      "kv_variant:NAME:REPAIR with NAME a trained variant (a folder with "
                                      "adapter_config.json)") from None
-    v.model(cfg.model)
-    return cfg
 
 
 @app.callback()
@@ -210,6 +215,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     v.choice(regime, "--regime", REGIMES)
     arm_names = EDGE_ARMS if arms is None else check_arms(
         v.parsed_names(arms, "--arms", parse_arm, f"arm names from {arm_help()} (docs/audit.md)", known=PLAIN_ARMS))
+    check_sharers([parse_arm(a) for a in arm_names])
     seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else (0,)
     name = model or "qwen2.5-coder-0.5b"
     v.model(name)
@@ -221,7 +227,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     with output_dir(out), progress_bar(desc=f"audit {edge}", unit="trial",
                                        total=len(rows) * len(arm_names) * len(seed_list)) as bar:
         summary = run_edge_audit(wf, edge, rows, score, out, lm, arms=arm_names, seeds=seed_list, regime=regime,
-                                 progress=bar.update, command=command_line())
+                                 progress=bar.update, command=command_line(), model=name)
     _print_headline(summary)
     console.print(f"report: {out / 'report.html'}")
 
