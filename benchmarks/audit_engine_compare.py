@@ -18,14 +18,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from kvrelay.audit.report import read_records
+
 
 def _records(folder: Path) -> dict[tuple, dict]:
-    out = {}
-    for line in (folder / "records.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            out[(r["task_id"], r["arm"], r["seed"])] = r
-    return out
+    """The folder's trials (``records.jsonl`` or ``records.jsonl.gz``) by (task_id, arm, seed)."""
+    return {(r["task_id"], r["arm"], r["seed"]): r for r in read_records(folder)}
 
 
 def _ci(diffs: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/codec_agreement.py docs/audit/codecs-qwen2.5-coder-0.5b \\
         --json docs/bench/codec_agreement_qwen2.5-coder-0.5b.json
 
-Reads an audit folder's ``records.jsonl`` (a run with ``kv`` and ``kv_codec:NAME`` arms, e.g. the
+Reads an audit folder's ``records.jsonl`` (or ``records.jsonl.gz``; a run with ``kv`` and ``kv_codec:NAME`` arms, e.g. the
 ``codecs`` preset) and joins each codec arm's trials with the ``kv`` trial of the same task and seed.
 Per codec: trials, identical answers (the exact generated text), and success under both. This is the
 measurement behind the wire default (``kvrelay.kv.codecs.WIRE_CODEC``, docs/codecs.md). Nothing here
@@ -16,6 +16,8 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+
+from kvrelay.audit.report import read_records
 
 
 def agreement(records: list[dict], reference: str = "kv") -> list[dict]:
@@ -39,11 +41,11 @@ def agreement(records: list[dict], reference: str = "kv") -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("audit", type=Path, help="an audit output folder (holds records.jsonl)")
+    ap.add_argument("audit", type=Path, help="an audit output folder (holds records.jsonl[.gz])")
     ap.add_argument("--reference", default="kv", help="the arm every other arm is compared with")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
-    records = [json.loads(ln) for ln in (a.audit / "records.jsonl").read_text().splitlines() if ln.strip()]
+    records = read_records(a.audit)
     rows = agreement(records, a.reference)
     print(f"{'arm':28} {'identical':>12} {'success ref':>12} {'success arm':>12} {'bytes/task':>12}")
     for r in rows:

@@ -78,6 +78,20 @@ def test_a_rerun_resumes_and_adds_nothing(lm, inputs, tmp_path):
     assert (tmp_path / "records.jsonl").read_text() == before and len(before.splitlines()) == 6
 
 
+def test_a_compressed_folder_resumes_and_is_unpacked_only_to_add_trials(lm, inputs, tmp_path):
+    import subprocess
+
+    run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv",), n_boot=100)
+    before = (tmp_path / "records.jsonl").read_text()
+    subprocess.run(["gzip", "-9n", str(tmp_path / "records.jsonl")], check=True)
+    run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv",), n_boot=100)
+    assert sorted(p.name for p in tmp_path.glob("records*")) == ["records.jsonl.gz"]  # nothing added
+    run_edge_audit(WF, "reader->final", inputs[:3], "contains", tmp_path, lm, arms=("kv", "none"), n_boot=100)
+    assert sorted(p.name for p in tmp_path.glob("records*")) == ["records.jsonl"]
+    after = (tmp_path / "records.jsonl").read_text()
+    assert after.startswith(before) and [json.loads(x)["arm"] for x in after.splitlines()[3:]] == ["none"] * 3
+
+
 def test_each_seed_pairs_an_input_with_another_partner(lm, inputs, tmp_path):
     """The partner is the input 1 + seed mod (n - 1) places later by context length, and the mismatched
     answer is the one the receiver gives over *that* input's cache (not just a label that moves)."""

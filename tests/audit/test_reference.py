@@ -33,7 +33,7 @@ def test_committed_audit_effects_reproduce_from_records(name):
     folder = AUDITS / name
     ref = json.loads((folder / "summary.json").read_text())
     s = ref["settings"]
-    got = summarize(read_records(folder / "records.jsonl"), margin=s["margin"], n_boot=s["n_boot"], seed=s["seed"],
+    got = summarize(read_records(folder), margin=s["margin"], n_boot=s["n_boot"], seed=s["seed"],
                     confidence=s["confidence"])
     for section, keys in (("effects", ("regime", "task", "contrast", "outcome")),
                           ("equivalence", ("regime", "task", "contrast"))):

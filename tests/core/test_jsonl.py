@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvrelay.core.jsonl import read_json_lines
@@ -57,3 +59,43 @@ def test_a_bad_line_is_a_typed_error_and_the_file_is_left_alone(tmp_path):
     with pytest.raises(RecordsError, match=r"r.jsonl:1: not valid JSON"):
         resume_json_lines(path)
     assert path.read_text() == '{"a": \n{"a": 2}\n'
+
+
+# -- gzip-compressed JSON lines (a path ending in .gz) ------------------------------------------------------
+def test_a_gz_path_is_read_decompressed_and_rewritten_compressed(tmp_path):
+    import gzip
+
+    from kvrelay.core.jsonl import resume_json_lines, write_json_lines
+
+    rows = [{"a": k, "s": "é"} for k in range(3)]
+    path = tmp_path / "r.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=5))
+    assert read_json_lines(path) == rows == resume_json_lines(path)
+    write_json_lines(path, rows[:2])
+    assert gzip.decompress(path.read_bytes()).decode() == "".join(json.dumps(r) + "\n" for r in rows[:2])
+    first = path.read_bytes()
+    write_json_lines(path, rows[:2])  # no timestamp in the header: the same rows give the same bytes
+    assert path.read_bytes() == first
+    # a cut last line inside the compressed text is dropped and the file rewritten compressed
+    path.write_bytes(gzip.compress(b'{"a": 0}\n{"a": 1, "b'))
+    with pytest.warns(UserWarning, match="unfinished last record"):
+        assert resume_json_lines(path) == [{"a": 0}]
+    assert read_json_lines(path) == [{"a": 0}]
+
+
+def test_a_damaged_gz_file_is_a_typed_error_and_is_never_appended_to(tmp_path):
+    import gzip
+
+    from kvrelay.core.errors import RecordsError
+    from kvrelay.core.jsonl import append_json_lines
+
+    path = tmp_path / "r.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"a": 0}\n' * 50)[:-12])  # cut short
+    with pytest.raises(RecordsError, match=r"r.jsonl.gz: not a whole gzip file"):
+        read_json_lines(path, cut_tail_ok=True)
+    path.write_bytes(b'{"a": 0}\n')  # plain text under a .gz name
+    with pytest.raises(RecordsError, match=r"r.jsonl.gz: not a whole gzip file"):
+        read_json_lines(path)
+    with pytest.raises(RecordsError, match=r"not appended to; unpack them to .*r.jsonl first"):
+        append_json_lines(path, [{"a": 1}])
+    assert path.read_bytes() == b'{"a": 0}\n'

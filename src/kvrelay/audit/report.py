@@ -5,8 +5,8 @@ tables, figures) and renders that list twice: Markdown (figures as PNG files und
 and HTML (the same PNGs embedded as base64 ``data:`` URIs, inline CSS, a Content-Security-Policy
 that forbids every non-inline resource, so the page loads with no network). Sections whose data
 is absent (no dose arms, no covariates…) become a one-line note; the verdict is always last.
-:func:`rebuild` backs ``kvrelay audit report DIR``: records.jsonl (+ run.json) → summary.json +
-report.
+:func:`rebuild` backs ``kvrelay audit report DIR``: records.jsonl or records.jsonl.gz (+ run.json) →
+summary.json + report.
 
 Units as in :mod:`kvrelay.audit.stats`: success effects in points (score × 100), ``A − B``.
 """
@@ -25,6 +25,7 @@ from kvrelay.audit.stats import ALL, summarize
 from kvrelay.audit.verdict import MAX_TOST_HALF_WIDTH, tost_too_wide
 from kvrelay.audit.vocab import ALPHA, arm_order, arm_rank, contrast_arms, contrast_rank, contrasts_for
 from kvrelay.core.jsonl import read_json_lines
+from kvrelay.core.records_file import DESCRIBED, records_file
 
 #: summary keys that summarize() does not compute from records; rebuild() reads them from KEY.json or
 #: carries them over from the summary.json it replaces.
@@ -400,11 +401,14 @@ def write_report(out_dir: Path | str, records: Sequence[Mapping], summary: Mappi
 
 
 def read_records(path: Path | str) -> list[dict]:
-    """Trials of a ``records.jsonl`` (blank lines skipped); errors name the file and line."""
+    """Trials of a ``records.jsonl`` or ``records.jsonl.gz`` (blank lines skipped), or of the one an audit
+    folder holds (``core.records_file``); errors name the file and line."""
     path = Path(path)
+    if path.is_dir():
+        path = records_file(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no records.jsonl here — `kvrelay audit report DIR` rebuilds the report "
-                                "from the records.jsonl an audit run wrote into DIR")  # fmt: skip
+        raise FileNotFoundError(f"{path}: no {DESCRIBED} here — `kvrelay audit report DIR` rebuilds the "
+                                f"report from the records an audit run wrote into DIR")  # fmt: skip
     records = read_json_lines(path)
     if not records:
         raise ValueError(f"{path}: no trial records (the file is empty)")
@@ -413,7 +417,8 @@ def read_records(path: Path | str) -> list[dict]:
 
 def rebuild(out_dir: Path | str, *, margin: float | None = None, n_boot: int | None = None,
             seed: int | None = None) -> dict[str, Path]:  # fmt: skip
-    """Recompute ``summary.json`` and the report of ``out_dir`` from ``records.jsonl`` (+ ``run.json``).
+    """Recompute ``summary.json`` and the report of ``out_dir`` from its records (``records.jsonl`` or
+    ``records.jsonl.gz``, read as they are: a rebuild never unpacks them) (+ ``run.json``).
 
     Statistics settings (margin, n_boot, seed, confidence) default to those of an existing
     summary.json, so a rebuild reproduces the run's numbers; keys summarize() cannot recompute
@@ -424,7 +429,8 @@ def rebuild(out_dir: Path | str, *, margin: float | None = None, n_boot: int | N
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise FileNotFoundError(f"{out_dir}: not a directory (expected an audit output directory)")
-    records = read_records(out_dir / "records.jsonl")
+    records_path = records_file(out_dir)
+    records = read_records(records_path)
     meta: dict = {}
     if (out_dir / "run.json").is_file():
         meta = json.loads((out_dir / "run.json").read_text(encoding="utf-8"))
@@ -444,7 +450,7 @@ def rebuild(out_dir: Path | str, *, margin: float | None = None, n_boot: int | N
     try:
         body = summarize(records, **kwargs)
     except ValueError as err:
-        raise ValueError(f"{out_dir / 'records.jsonl'}: {err}") from None
+        raise ValueError(f"{records_path}: {err}") from None
     summary = {"model": meta.get("model", old.get("model") if isinstance(old, dict) else None), **body}
     for key in CARRIED_KEYS:  # KEY.json written by the run wins over the replaced summary's copy
         if (out_dir / f"{key}.json").is_file():

@@ -30,7 +30,9 @@ Protocol (stated once):
 * ``latency_s`` = relay build + receiver prefill + receiver decode (+ the sender's decode for
   ``text_message``). ``relay_bytes`` = payload bytes for cache arms, UTF-8 bytes of the text for
   text arms, 0 for ``none``. ``prefill_tokens`` = tokens the receiver prefilled.
-* Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped. A run may
+* Resumable: records already in ``records.jsonl`` (same task, arm, seed) are skipped; a folder holding
+  ``records.jsonl.gz`` instead is read as well and unpacked before its first new trial is appended
+  (``core.records_file``). A run may
   add task sets, arms or seeds to a folder; it must keep the model (fingerprint), the batch size,
   the message length, the temperature, the seed design (``seeding.SEED_DESIGN``) and each set's
   task count, since those decide which tasks share a batch, what a seed shows and who is whose
@@ -61,6 +63,7 @@ from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.audit.vocab import PARTIAL_ARMS
 from kvrelay.core.errors import KVRelayError
 from kvrelay.core.jsonl import append_json_lines, resume_json_lines
+from kvrelay.core.records_file import records_file, unpack_records
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 
@@ -150,7 +153,6 @@ class AuditRunner:
                  load_sharer: Callable[[str], object] | None = None):
         self.cfg, self.lm, self.out = cfg, lm, Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.records_path = self.out / "records.jsonl"
         self.sender = Agent(lm, "sender", role=SENDER_ROLE)
         self.receiver = Agent(lm, "receiver", role=RECEIVER_ROLE)
         self.arms = [parse_arm(a) for a in cfg.arms]
@@ -340,6 +342,12 @@ class AuditRunner:
         partner = st.partner if arm.needs_mismatch or arm.mismatched_control else None
         return st.task.id, arm.name, st.task.context, st.task.prompt, partner
 
+    @property
+    def records_path(self) -> Path:
+        """The folder's records: ``records.jsonl``, or ``records.jsonl.gz`` until a trial is added
+        (``core.records_file``)."""
+        return records_file(self.out)
+
     def set_sizes(self) -> dict[str, int]:
         """Tasks per set this run covers, ``{name: count}``."""
         return {name: len(load_tasks(name, limit=n, seed=0)) for name, n in self.cfg.task_sets()}
@@ -404,7 +412,7 @@ class AuditRunner:
         config = self._merged_config(sizes, done)
         (self.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, n in self.cfg.task_sets():
-            self.run_set(name, done, lambda row: append_json_lines(self.records_path, [row]), limit=n)
+            self.run_set(name, done, lambda row: append_json_lines(unpack_records(self.out), [row]), limit=n)
         return self.records_path
 
 

@@ -1,7 +1,7 @@
 """The policy a command builds for a workflow's ``channel = "auto"`` edges, from files the user names.
 
 ``auto_policy`` loads a cost profile (what ``kvrelay calibrate --json`` wrote, or its saved profile
-file), fits the value model on audit records (each folder's ``records.jsonl``; the task texts and the
+file), fits the value model on audit records (each folder's ``records.jsonl`` or ``.gz``; the task texts and the
 engine come from its ``config.json`` and ``run.json``, as ``bench policy`` reads them) and returns the
 ``workflows.auto.AutoPolicy`` that decides every auto edge, with the runtime switch on
 (``policy.switch.RelaySwitch`` defaults), plus a summary of what it was built from for the JSON.

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
+from kvrelay.core.records_file import has_records, records_file
 from kvrelay.policy.cost import CostProfile, Link
 from kvrelay.policy.decide import Request, Slo, decide
 from kvrelay.policy.features import Features, channel_key, channel_of_arm
@@ -49,7 +50,8 @@ DEFAULT_HELD_OUT = ("gen_easy", "arc_challenge")  # a private and a shared set; 
 
 
 def audit_folders(root: str | Path = "docs/audit") -> list[Path]:
-    return sorted(p.parent for p in Path(root).glob("*/records.jsonl"))
+    """The audit folders under ``root`` (each holding ``records.jsonl`` or ``records.jsonl.gz``), sorted."""
+    return sorted(p for p in Path(root).iterdir() if p.is_dir() and has_records(p))
 
 
 def _engine(folder: Path) -> str:
@@ -73,7 +75,7 @@ def task_texts(task_sets) -> callable:
 def load_observations(folders, texts=None) -> tuple[list, list[dict]]:
     obs, rows = [], []
     for f in folders:
-        recs = read_json_lines(Path(f) / "records.jsonl", cut_tail_ok=True)
+        recs = read_json_lines(records_file(f), cut_tail_ok=True)
         obs += observations_from_records(recs, texts=texts, engine=_engine(Path(f)), source=str(f))
         rows += [dict(r, _source=str(f), _engine=_engine(Path(f))) for r in recs]
     return obs, rows

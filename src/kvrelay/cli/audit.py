@@ -1,7 +1,7 @@
 """``kvrelay audit``: run a preset (or a custom config) and write records, summary and report.
 
     kvrelay audit --preset quick --model qwen2.5-coder-0.5b --out out/audit
-    kvrelay audit report out/audit        # rebuild summary.json / report.* from records.jsonl
+    kvrelay audit report out/audit        # rebuild summary.json / report.* from records.jsonl[.gz]
     kvrelay audit --workflow wf.toml --edge a->b --inputs in.jsonl --score contains --out out/edge
 """
 
@@ -28,6 +28,7 @@ from kvrelay.cli.common import (
     output_dir,
     progress_bar,
 )
+from kvrelay.core.records_file import DESCRIBED
 
 app = typer.Typer(help="Causal audit: does the relayed cache carry the right content, and what does it cost?",
                   invoke_without_command=True)
@@ -35,13 +36,13 @@ console = Console()
 
 
 def finalize(out: Path, margin: float | None = None, n_boot: int | None = None) -> dict:
-    """Recompute ``summary.json`` and the reports from ``records.jsonl`` (see ``report.rebuild``)."""
+    """Recompute ``summary.json`` and the reports from the records (see ``report.rebuild``)."""
     from kvrelay.audit.report import rebuild
 
     try:
         paths = rebuild(out, margin=margin, n_boot=n_boot)
-    except FileNotFoundError as err:  # no folder or no records.jsonl: rebuild's message says which
-        raise v.InvalidInput(v.one_line(err), "an audit output folder with records.jsonl") from None
+    except FileNotFoundError as err:  # no folder or no records: rebuild's message says which
+        raise v.InvalidInput(v.one_line(err), f"an audit output folder with {DESCRIBED}") from None
     return {"summary": json.loads(paths["summary.json"].read_text()), "paths": paths}
 
 
@@ -105,6 +106,13 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                 raise v.InvalidInput(f"{name} would run {count} task(s), but arm kv_mismatched (or kv_layers, "
                                      "kv_adapter_mismatched, kv_variant_mismatched) pairs each task with another task of its set",
                                      f"--limit (or NAME:COUNT) >= {v.MIN_TASKS_FOR_MISMATCH}")
+    check_sharers(parsed)
+    v.model(cfg.model)
+    return cfg
+
+
+def check_sharers(parsed) -> None:
+    """Each adapter arm's artefact and each variant arm's variant exists (before any model loads)."""
     for a in parsed:
         if a.adapter:
             from kvrelay.audit.channels import resolve
@@ -124,8 +132,6 @@ def check_config(preset_name: str, model: str | None, tasks: str | None, arms: s
                 raise v.InvalidInput(f"--arms: {a.name}: {v.one_line(err)}",
                                      "kv_variant:NAME:REPAIR with NAME a trained variant (a folder with "
                                      "adapter_config.json)") from None
-    v.model(cfg.model)
-    return cfg
 
 
 @app.callback()
@@ -209,6 +215,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     v.choice(regime, "--regime", REGIMES)
     arm_names = EDGE_ARMS if arms is None else check_arms(
         v.parsed_names(arms, "--arms", parse_arm, f"arm names from {arm_help()} (docs/audit.md)", known=PLAIN_ARMS))
+    check_sharers([parse_arm(a) for a in arm_names])
     seed_list = tuple(v.int_list(seeds, "--seeds", minimum=0, example="0,1")) if seeds is not None else (0,)
     name = model or "qwen2.5-coder-0.5b"
     v.model(name)
@@ -220,7 +227,7 @@ def _audit_edge(workflow: Path | None, edge: str | None, inputs: Path | None, sc
     with output_dir(out), progress_bar(desc=f"audit {edge}", unit="trial",
                                        total=len(rows) * len(arm_names) * len(seed_list)) as bar:
         summary = run_edge_audit(wf, edge, rows, score, out, lm, arms=arm_names, seeds=seed_list, regime=regime,
-                                 progress=bar.update, command=command_line())
+                                 progress=bar.update, command=command_line(), model=name)
     _print_headline(summary)
     console.print(f"report: {out / 'report.html'}")
 
@@ -265,8 +272,8 @@ def _run(cfg: AuditConfig, lm, out: Path) -> float:
 
 @app.command("report")
 def report(out: Path = typer.Argument(..., help="an audit output folder")):
-    """Rebuild summary.json, report.md and report.html from OUT/records.jsonl."""
-    v.existing_file(out / "records.jsonl", "OUT", "an audit output folder with records.jsonl")
+    """Rebuild summary.json, report.md and report.html from OUT/records.jsonl (or OUT/records.jsonl.gz)."""
+    v.records_of(out, "OUT", f"an audit output folder with {DESCRIBED}")
     res = finalize(out)
     _print_headline(res["summary"])
     console.print(f"report: {out / 'report.html'}")

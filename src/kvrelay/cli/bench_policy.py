@@ -41,8 +41,8 @@ def print_result(res: dict) -> None:
 def policy_cmd(
     profile: Path = typer.Option(..., help="a cost profile: the JSON of `kvrelay calibrate --json` (or its "
                                  "saved profile file)"),
-    audits: str = typer.Option("docs/audit", help="comma-separated audit folders (each with records.jsonl), or "
-                               "one folder holding several"),
+    audits: str = typer.Option("docs/audit", help="comma-separated audit folders (each with records.jsonl or "
+                               "records.jsonl.gz), or one folder holding several"),
     held_out: str = typer.Option("gen_easy,arc_challenge", help="task sets kept out of the value model's fit and "
                                  "replayed"),
     per_set: int = typer.Option(48, help="held-out tasks replayed per task set (a seeded sample)"),
@@ -53,12 +53,7 @@ def policy_cmd(
 ) -> None:
     """Always-text, always-kv, always-kv-int8, random, static checklist and the learned policy on a held-out workload."""
     prof_path = v.existing_file(profile, "--profile", "a JSON written by `kvrelay calibrate --json`")
-    folders = []
-    for a in v.csv(audits, "--audits", "docs/audit"):
-        p = v.existing_dir(a, "--audits", "an audit folder or a folder of audit folders")
-        folders += [p] if (p / "records.jsonl").is_file() else sorted(x.parent for x in p.glob("*/records.jsonl"))
-    if not folders:
-        raise v.InvalidInput(f"--audits {audits!r} holds no records.jsonl", "audit folders written by kvrelay audit")
+    folders = v.records_folders(audits, "--audits", "docs/audit")
     sets = v.csv(held_out, "--held-out", "gen_easy,arc_challenge")
     v.positive(per_set, "--per-set")
     if slo is not None and not slo > 0:

@@ -129,8 +129,8 @@ def pipeline(
     profile: str = typer.Option(None, help="cost profile that prices the channels of the workflow's channel = "
                                 "\"auto\" edges: the JSON of `kvrelay calibrate --json` or the profile it saved "
                                 "($KVRELAY_HOME/profiles/MODEL__ENGINE.json, or its --profile); needed with auto edges"),
-    value: str = typer.Option(None, help="comma-separated audit folders (each with records.jsonl; or a folder of "
-                              "them, or a records.jsonl) the value model of auto edges is fitted on; needed with "
+    value: str = typer.Option(None, help="comma-separated audit folders (each with records.jsonl[.gz]; or a folder "
+                              "of them, or a records.jsonl[.gz]) the value model of auto edges is fitted on; needed with "
                               "auto edges"),
     slo: float = typer.Option(None, help="the latency budget in seconds each auto edge's receiver is decided under "
                               "(default: none)"),

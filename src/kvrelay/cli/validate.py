@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.core.errors import InvalidInput
+from kvrelay.core.records_file import DESCRIBED, is_records_file, record_folders, records_file
 
 MIN_TASKS_FOR_MISMATCH = 2  # the mismatched arm pairs each task with another task of its set
 
@@ -164,19 +165,46 @@ def existing_dir(path: str | Path, flag: str, what: str) -> Path:
     return p
 
 
+def records_of(folder: str | Path, flag: str, what: str) -> Path:
+    """The records file (``core.records_file``: ``records.jsonl`` or ``records.jsonl.gz``) of an existing
+    audit folder, not empty."""
+    p = Path(folder).expanduser()
+    if not p.is_dir():
+        raise InvalidInput(f"{flag} {str(folder)!r}: no such file or folder", what)
+    return existing_file(records_file(p), flag, what)
+
+
 def audit_folders(value: str | None, flag: str = "--audits") -> tuple[Path, ...]:
-    """A comma list of ``kvrelay audit --out`` folders (each with config.json and records.jsonl); () for None."""
+    """A comma list of ``kvrelay audit --out`` folders (each with config.json and records); () for None."""
     if value is None:
         return ()
-    what = "folders written by kvrelay audit --out (config.json and records.jsonl), such as docs/audit/full-MODEL"
+    what = f"folders written by kvrelay audit --out (config.json and {DESCRIBED}), such as docs/audit/full-MODEL"
     out = []
     for item in csv(value, flag, "docs/audit/full-qwen2.5-coder-0.5b"):
         p = existing_dir(item, flag, what)
-        for f in ("config.json", "records.jsonl"):
-            if not (p / f).is_file():
-                raise InvalidInput(f"{flag}: {item!r} has no {f}", what)
+        if not (p / "config.json").is_file():
+            raise InvalidInput(f"{flag}: {item!r} has no config.json", what)
+        if not records_file(p).is_file():
+            raise InvalidInput(f"{flag}: {item!r} has no {DESCRIBED}", what)
         out.append(p)
     return tuple(out)
+
+
+def records_folders(value: str, flag: str, example: str) -> list[Path]:
+    """A comma list of audit folders, folders of them, or records files -> the audit folders (in order, each
+    folder's own sub-folders sorted); ``InvalidInput`` for an item that holds no records."""
+    what = f"an audit folder (with {DESCRIBED}), a folder of them, or a records file"
+    folders: list[Path] = []
+    for a in csv(value, flag, example):
+        p = Path(a).expanduser()
+        if is_records_file(p):
+            folders.append(p.parent)
+            continue
+        found = record_folders(existing_dir(a, flag, what))
+        if not found:
+            raise InvalidInput(f"{flag} {a!r} holds no {DESCRIBED}", "audit folders written by kvrelay audit")
+        folders += found
+    return folders
 
 
 def writable_path(path: Path | None, flag: str) -> Path | None:
@@ -335,7 +363,8 @@ def no_auto_edges(wf, workflow: str, allowed: tuple[str, str] | None = None) -> 
                            "--value; docs/workflows.md)")
 
 
-AUTO_OPTIONS = "--profile PATH (kvrelay calibrate --json) and --value AUDIT[,AUDIT...] (audit folders or records.jsonl)"
+AUTO_OPTIONS = ("--profile PATH (kvrelay calibrate --json) and --value AUDIT[,AUDIT...] (audit folders or "
+                "records.jsonl[.gz])")
 
 
 def auto_policy_files(wf, workflow: str, profile: str | None, value: str | None,
@@ -356,15 +385,4 @@ def auto_policy_files(wf, workflow: str, profile: str | None, value: str | None,
     if slo is not None and not slo > 0:
         raise InvalidInput(f"--slo {slo}", "a latency budget > 0 seconds")
     prof = existing_file(profile, "--profile", "a JSON written by `kvrelay calibrate --json` (or its saved profile)")
-    folders: list[Path] = []
-    for a in csv(value, "--value", "docs/audit/full-qwen2.5-coder-0.5b"):
-        p = Path(a).expanduser()
-        if p.is_file() and p.name == "records.jsonl":
-            folders.append(p.parent)
-            continue
-        p = existing_dir(a, "--value", "an audit folder (with records.jsonl), a folder of them, or a records.jsonl")
-        found = [p] if (p / "records.jsonl").is_file() else sorted(x.parent for x in p.glob("*/records.jsonl"))
-        if not found:
-            raise InvalidInput(f"--value {a!r} holds no records.jsonl", "audit folders written by kvrelay audit")
-        folders += found
-    return prof, folders
+    return prof, records_folders(value, "--value", "docs/audit/full-qwen2.5-coder-0.5b")

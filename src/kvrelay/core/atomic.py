@@ -9,19 +9,24 @@ import os
 from pathlib import Path
 
 
-def write_text_atomic(path: Path | str, text: str) -> Path:
-    """Replace ``path`` with ``text`` (UTF-8) atomically, its folder made; the temporary file is removed on
-    failure (a full disk)."""
+def write_bytes_atomic(path: Path | str, data: bytes) -> Path:
+    """Replace ``path`` with ``data`` atomically, its folder made; the temporary file is removed on failure
+    (a full disk)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) atomically (``write_bytes_atomic``)."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: Path | str, obj: object, *, indent: int = 2, end: str = "\n") -> Path:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
+from kvrelay.core.records_file import DESCRIBED, records_file
 from kvrelay.policy.cost import CodecCost, CostProfile
 from kvrelay.policy.decide import Request, Slo
 from kvrelay.policy.decide import decide as policy_decide
@@ -130,13 +131,14 @@ def _text(messages: Iterable[Message]) -> str:
 
 
 def fit_value_models(folders: Iterable[str | Path]) -> dict[str, ValueModel]:
-    """One value model per audited model, fitted on the audits' ``records.jsonl`` (``kvrelay audit --out``
-    folders; their ``config.json`` names the model). Overlap comes from each record's regime."""
+    """One value model per audited model, fitted on the audits' records (``records.jsonl`` or
+    ``records.jsonl.gz``: ``core.records_file``) of ``kvrelay audit --out`` folders (their ``config.json``
+    names the model). Overlap comes from each record's regime."""
     by_model: dict[str, list] = {}
     for f in map(Path, folders):
-        cfg, recs = f / "config.json", f / "records.jsonl"
+        cfg, recs = f / "config.json", records_file(f)
         if not (cfg.is_file() and recs.is_file()):
-            raise InvalidInput(f"audit folder {f} has no config.json and records.jsonl",
+            raise InvalidInput(f"audit folder {f} has no config.json and {DESCRIBED}",
                                "a folder written by kvrelay audit --out")
         conf = json.loads(cfg.read_text(encoding="utf-8"))
         run = f / "run.json"
