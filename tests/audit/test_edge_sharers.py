@@ -129,6 +129,9 @@ def test_sharer_arms_are_refused_clearly_where_they_cannot_run(models, folder, t
     receiver, _ = models
     with pytest.raises(InvalidInput, match="the sender's turn is the message"):
         check_arms(("kv", "text_message"))
+    for partial in ("kv_partial:0.25", "kv_partial_mismatched:0.25"):  # refused up front, not failing mid-run
+        with pytest.raises(InvalidInput, match="driven by the receiver's prompt"):
+            check_arms(("kv", partial))
     with pytest.raises(InvalidInput, match="neither a folder"):
         EdgeAudit(WF, EDGE, _inputs(2), "contains", ("kv_adapter:no-such-adapter",), (0,), receiver, tmp_path)
     mine = load_model("tiny:llama")  # an artefact made for another receiver is refused before any trial

@@ -72,6 +72,10 @@ SCORES = {"exact": scoring.exact_match, "contains": scoring.contains, "f1": scor
 REFUSED_ARMS = {"text_message": "on a workflow edge the sender's turn is the message (text_full re-encodes it); "
                                 "text_message asks the sender for a separate note, which a workflow agent "
                                 "does not write"}
+_PARTIAL_WHY = ("the selection is driven by the receiver's prompt, which on a workflow edge is the receiver's turn "
+                "that the workflow builds during the run, after the arm's cache is chosen (the task-set audit "
+                "runs kv_partial)")
+REFUSED_ARMS |= {"kv_partial": _PARTIAL_WHY, "kv_partial_mismatched": _PARTIAL_WHY}
 EDGE_ARM_HELP = ("none, text_full, kv, kv_mismatched, kv_zeroed, kv_random, kv_noise:S, kv_layers:SPEC, kv_tokens:…, "
                  "kv_codec:NAME, kv_adapter:ARTEFACT, kv_adapter_mismatched:ARTEFACT, kv_variant:NAME:REPAIR, "
                  "kv_variant_mismatched:NAME:REPAIR")
