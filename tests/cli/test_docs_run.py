@@ -129,6 +129,7 @@ NOT_RUN = {
     ("bench", "pipeline", "--ray-address"): "needs an existing Ray cluster",
     ("respond", "--key"): "the key is printed by `read --store` at run time: tests/cli/test_payload_cli.py",
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
+    ("respond", "--max-bytes"): "a receiver byte budget, refused and admitted: tests/cli/test_payload_cli.py",
     ("inspect", "--store"): "with a key: tests/cli/test_payload_cli.py",
     ("bench", "repair-profile"): "needs trained variant adapters (docs/repair.md): tests/fuse/test_repair.py",
     ("bench", "repair", "--profile"): "needs a deviation profile of two trained variants (layers=auto:K): "

@@ -41,7 +41,7 @@ from kvrelay.kv.transforms import select_layers
 
 REQUEST_FORMAT = "kvrelay-partial-request/1"
 DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the cache (None: all)
-DEFAULT_POOL = 1  # neighbouring positions a score is max-pooled over
+DEFAULT_POOL = 7  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
 
 
 @dataclass(frozen=True, slots=True)
