@@ -21,7 +21,7 @@ def test_quiet_silences_progress_but_not_results(tmp_path):
     assert loud.exit_code == 0 and quiet.exit_code == 0, (loud.output, quiet.output)
     assert "bench relay:" in loud.stderr  # the progress bar
     assert "bench relay:" not in quiet.stderr and "%|" not in quiet.stderr
-    assert "(medians of 1)" in quiet.stdout  # the table is still there
+    assert "(medians of 1;" in quiet.stdout  # the table is still there (its title also names the load)
 
 
 def test_json_command_is_the_full_argv_and_global_flags_go_anywhere(tmp_path):

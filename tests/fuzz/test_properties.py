@@ -113,10 +113,16 @@ def test_the_atheris_target_runs(tmp_path):
         import atheris  # noqa: F401
     except ImportError as e:
         missing_service("atheris", f"{e}; pip install -e '.[dev]'")
+    import resource
+
     script = Path(__file__).with_name("fuzz_wire.py")
-    r = subprocess.run([sys.executable, str(script), "-atheris_runs=2000", "-seed=1", "-max_len=4096", "--summary",
-                        str(tmp_path / "s.json"), str(tmp_path / "corpus")], capture_output=True, text=True,
-                       timeout=600)
+    # libFuzzer's -rss_limit_mb reads the peak RSS of getrusage, which on Linux a child starts from its parent's
+    # RSS at the fork (kept across exec): a pytest process holding 3.7 GB of models made a fresh fuzzer "use"
+    # 3.7 GB before its first input. The bound is 2 GB above what this process could pass on.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    r = subprocess.run([sys.executable, str(script), "-atheris_runs=2000", "-seed=1", "-max_len=4096",
+                        f"-rss_limit_mb={2048 + inherited_mb}", "--summary", str(tmp_path / "s.json"),
+                        str(tmp_path / "corpus")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["runs"] == 2000 and s["crashes"] == 0 and "check_resealed" in s["targets"], s
