@@ -117,3 +117,22 @@ def test_a_batched_step_is_the_mean_of_its_examples_and_resumes_exactly(tmp_path
     FT.train(resumed, receiver.model, receiver.identity, layer_map, disk, disk[:1], cfg,
              FT.load_checkpoint(tmp_path / "c.pt", resumed))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(net.parameters(), resumed.parameters(), strict=True))
+
+
+def test_a_checkpoint_resumes_only_with_the_settings_it_was_trained_with(tmp_path):
+    """``fuse train`` run again continues its checkpoint; with another step size (or data, rank, batch...) it
+    stops with a typed error naming what changed instead of mixing two runs."""
+    from dataclasses import replace as swap
+
+    from kvrelay.bench.fuse_fit import TrainSettings, train_fuser
+    from kvrelay.core.errors import InvalidInput
+    from kvrelay.models.loader import load_model
+
+    s = TrainSettings(steps=2, examples=4, held_out=1, max_tokens=400, rank=4, eval_every=2)
+    got = train_fuser("tiny:qwen2", "tiny:llama", load_model, s, work=tmp_path / "w", out=tmp_path / "a")
+    assert got.steps == 2
+    more = train_fuser("tiny:qwen2", "tiny:llama", load_model, swap(s, steps=4), work=tmp_path / "w",
+                       out=tmp_path / "b")  # more steps of the same run: resumed
+    assert more.steps == 4
+    with pytest.raises(InvalidInput, match=r"lr 0.001 -> 0.0003"):
+        train_fuser("tiny:qwen2", "tiny:llama", load_model, swap(s, steps=6, lr=3e-4), work=tmp_path / "w")

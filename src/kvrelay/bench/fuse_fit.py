@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kvrelay.agents.agent import Agent
 from kvrelay.audit.tasks.fitting import GEN_SEED, PROBLEM_SOURCES, fitting_problems, fitting_texts
+from kvrelay.core.errors import InvalidInput
 from kvrelay.fuse import align, artefact, ridge
 from kvrelay.fuse import fuser as F
 from kvrelay.fuse import fuser_data as FD
@@ -161,6 +162,12 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
     by_id = {t.id: t for t in tasks}
     kept_ids = [torch.load(f, weights_only=False)["id"] for f in readings]
     ckpt = work / f"ckpt_rank{cfg.rank}_seed{cfg.seed}_n{cfg.examples}_b{cfg.batch}.pt"
+    run_key = {k: getattr(cfg, k) for k in ("examples", "held_out", "max_tokens", "rank", "lr", "seed", "batch")}
+    prior = FT.checkpoint_settings(ckpt)
+    if prior is not None and prior != run_key:  # resuming with another step size or data would mix two runs
+        changed = ", ".join(f"{k} {prior.get(k)!r} -> {v!r}" for k, v in run_key.items() if prior.get(k) != v)
+        raise InvalidInput(f"{ckpt} was trained with other settings ({changed})",
+                           "the checkpoint's settings to resume it, or another --work folder to start a new run")
     if FT.checkpoint_step(ckpt) >= cfg.steps:  # nothing left to train: the artefact from the checkpoint
         net = FT.net_from_checkpoint(ckpt)
         state = FT.load_checkpoint(ckpt, net)
@@ -185,8 +192,8 @@ def train_fuser(receiver: str, sharer: str, load: Callable, settings: TrainSetti
         state = FT.train(net, r_lm.model, ident, layer_map, train_ex, held, tc, state,
                          progress=lambda xs: tqdm(xs, desc=f"train fuser {receiver} <- {sharer}", unit="step",
                                                   initial=xs.start, total=cfg.steps),
-                         checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st))
-        FT.save_checkpoint(ckpt, net, state)
+                         checkpoint=lambda st: FT.save_checkpoint(ckpt, net, st, run_key))
+        FT.save_checkpoint(ckpt, net, state, run_key)
     last = state.held[-1] if state.held else {}
     which = "last"
     if cfg.keep == "best" and state.best is not None:

@@ -224,12 +224,18 @@ def train(net: FuserNet, model, ident: ModelIdentity, layer_map: tuple[int, ...]
     return state
 
 
-def save_checkpoint(path: Path, net: FuserNet, state: TrainState) -> None:
-    """``net`` and ``state`` to ``path`` (written to a temporary file, then renamed: never half a checkpoint)."""
+def save_checkpoint(path: Path, net: FuserNet, state: TrainState, settings: dict | None = None) -> None:
+    """``net`` and ``state`` to ``path`` (written to a temporary file, then renamed: never half a checkpoint);
+    ``settings``: what the run was made with, which a resumed run must match (``checkpoint_settings``)."""
     tmp = Path(path).with_suffix(".tmp")
     torch.save({"net": net.state_dict(), "step": state.step, "optimizer": state.optimizer,
-                "train": state.train, "held": state.held, "best": state.best}, tmp)
+                "train": state.train, "held": state.held, "best": state.best, "settings": settings}, tmp)
     tmp.replace(path)
+
+
+def checkpoint_settings(path: Path) -> dict | None:
+    """The settings a checkpoint was saved with (None: none recorded, or no checkpoint)."""
+    return torch.load(path, weights_only=False).get("settings") if Path(path).is_file() else None
 
 
 def checkpoint_step(path: Path) -> int:
