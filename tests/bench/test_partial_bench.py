@@ -29,6 +29,18 @@ def test_summarize_pairs_each_method_with_full_on_the_same_tasks():
     assert [r["method"] for r in summarize(trials)] == ["full", "receiver_driven", "none"]
 
 
+def test_receiver_driven_is_paired_with_agnostic_eviction_and_the_note_on_the_same_tasks():
+    trials = [t(f"k{i}", "full", 1.0, nbytes=1000) for i in range(10)]
+    trials += [t(f"k{i}", "receiver_driven+int8", float(i < 7), 0.25, 70) for i in range(10)]
+    trials += [t(f"k{i}", "evict_agnostic+int8", float(i < 2), 0.25, 70) for i in range(10)]
+    trials += [t(f"k{i}", "evict_agnostic", 1.0, 0.25, 250) for i in range(10)]  # raw coding: not its pair
+    trials += [t(f"k{i}", "text_message", float(i < 4), nbytes=40) for i in range(8)]  # two tasks without a note
+    rd = {(r["method"], r["budget"]): r for r in summarize(trials)}[("receiver_driven+int8", 0.25)]
+    assert rd["delta_vs_agnostic"] == pytest.approx(50.0) and 0 < rd["delta_vs_agnostic_ci_low"]
+    assert rd["delta_vs_text_message"] == pytest.approx(100 * (7 / 8 - 4 / 8))  # the 8 tasks both ran
+    assert rd["delta_vs_text_message_ci_low"] <= rd["delta_vs_text_message"] <= rd["delta_vs_text_message_ci_high"]
+
+
 def test_full_budget_partial_answers_like_full_relay(tiny_by_arch):
     from kvrelay.audit.tasks import load_tasks
 

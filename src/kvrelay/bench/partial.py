@@ -170,9 +170,28 @@ def summarize(trials: Sequence[Trial]) -> list[dict]:
             "sender_s": statistics.median(t.sender_s for t in mine),
             "n": len(mine), "task_sets": sorted({t.task_set for t in mine}),
         })
+    _versus(rows, trials)
     order = {m: i for i, m in enumerate(METHODS)}
     rows.sort(key=lambda r: (order.get(r["method"].split("+")[0], 99), r["method"], r["budget"]))
     return rows
+
+
+def _versus(rows: list[dict], trials: Sequence[Trial]) -> None:
+    """Add to each ``receiver_driven`` row its paired difference (points, BCa CI) against question-agnostic
+    eviction at the same budget and coding (``delta_vs_agnostic``) and against the sender's text note
+    (``delta_vs_text_message``), on the tasks both ran."""
+    score = {(t.method, t.budget, t.task): t.score for t in trials}
+    for row in rows:
+        method, budget = row["method"], row["budget"]
+        if not method.startswith(RECEIVER):
+            continue
+        for key, other, ob in (("agnostic", method.replace(RECEIVER, AGNOSTIC), budget),
+                               ("text_message", "text_message", 1.0)):
+            tasks = [k for (m, b, k) in score if m == method and b == budget and (other, ob, k) in score]
+            diff = np.array([100 * (score[(method, budget, k)] - score[(other, ob, k)]) for k in tasks])
+            lo, hi = _ci(diff)
+            row[f"delta_vs_{key}"] = float(diff.mean()) if len(diff) else None
+            row[f"delta_vs_{key}_ci_low"], row[f"delta_vs_{key}_ci_high"] = lo, hi
 
 
 def trial_row(setup: dict, trial: Trial) -> dict:
