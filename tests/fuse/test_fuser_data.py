@@ -135,4 +135,5 @@ def test_a_checkpoint_resumes_only_with_the_settings_it_was_trained_with(tmp_pat
                        out=tmp_path / "b")  # more steps of the same run: resumed
     assert more.steps == 4
     with pytest.raises(InvalidInput, match=r"lr 0.001 -> 0.0003"):
-        train_fuser("tiny:qwen2", "tiny:llama", load_model, swap(s, steps=6, lr=3e-4), work=tmp_path / "w")
+        train_fuser("tiny:qwen2", "tiny:llama", load_model, swap(s, steps=6, lr=3e-4), work=tmp_path / "w",
+                    out=tmp_path / "c")
