@@ -179,3 +179,23 @@ def test_records_of_another_adapter_are_never_resumed(setup, tmp_path):
             evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
     kept = evaluate(receiver, sharer, tasks[:2], ("receiver",), adapters, max_new_tokens=3, records=records)
     assert len(kept) == len(rows)  # a run without that method does not care
+
+
+def test_eval_result_says_which_trials_it_timed_and_under_what_load(setup, tmp_path):
+    """A resumed run's TTFTs mix runs: the JSON counts the trials measured now apart from those taken from the
+    records, and records this run's load before and after."""
+    from kvrelay.bench.fuse_eval import eval_result
+
+    receiver, sharer, adapter, tasks = setup
+    adapters = {"adapter": adapter, "fuser": None, "layers": None}
+    records = tmp_path / "r.jsonl"
+    first = eval_result(receiver, sharer, tasks[:2], ("receiver",), adapters, threads=2, max_new_tokens=2,
+                        records=records, load=iter([0.5, 1.0]).__next__)
+    assert (first["trials_measured"], first["trials_from_records"]) == (2, 0)
+    assert first["load_average"] == {"load1_before": 0.5, "load1_after": 1.0, "status": "quiet", "limit": 2.5,
+                                     "max": 1.0}
+    more = eval_result(receiver, sharer, tasks[:3], ("receiver", "ridge"), adapters, threads=2, max_new_tokens=2,
+                       records=records, load=iter([3.0, 1.0]).__next__)
+    assert (more["trials_measured"], more["trials_from_records"]) == (len(tasks[:3]) * 3 - 2, 2)  # ridge: + control
+    assert more["load_average"]["status"] == "loaded" and more["threads"] == 2
+    assert {p["method"] for p in more["pairs"]} == {"receiver", "ridge"}

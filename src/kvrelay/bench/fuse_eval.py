@@ -247,6 +247,29 @@ def evaluate(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters
                      fuser=adapters["fuser"], layers=adapters["layers"], labels=labels)
 
 
+def eval_result(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters: dict, *, threads: int | None,
+                max_new_tokens: int = 16, records: Path | None = None, progress: Callable | None = None,
+                load: Callable[[], float] = load1) -> dict:
+    """The `fuse eval` JSON of ``evaluate`` (``summarize``) with what a reader needs to weigh its TTFTs:
+    ``trials_measured`` (run now) and ``trials_from_records`` (resumed from ``records``, timed by an earlier
+    run under its own load), ``threads`` (torch's, when not given) and ``load_average`` {load1_before,
+    load1_after, status, limit, max} of this run (``bench.quiet.load_status``)."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    earlier = {(r["task_id"], r["method"], r["mismatched"]) for r in read_json_lines(records, cut_tail_ok=True)} \
+        if records and records.exists() else set()
+    before = round(load(), 2)
+    trials = evaluate(r_lm, s_lm, tasks, methods, adapters, max_new_tokens=max_new_tokens, records=records,
+                      progress=progress)
+    after = round(load(), 2)
+    resumed = sum((t.task_id, t.method, t.mismatched) in earlier for t in trials)
+    out = summarize(trials, r_lm.name, s_lm.name)
+    out |= {"trials_measured": len(trials) - resumed, "trials_from_records": resumed, "threads": threads,
+            "load_average": {"load1_before": before, "load1_after": after, **load_status([before, after], threads)}}
+    return out
+
+
 def settings_label(adapters: dict) -> dict:
     """What each loaded adapter is, ``NAME@FINGERPRINT16`` (None when not loaded), for a run's settings."""
     return {k: a and f"{a.name}@{a.fingerprint[:16]}" for k, a in adapters.items()}

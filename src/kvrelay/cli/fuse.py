@@ -130,7 +130,7 @@ def eval_(
 
     from kvrelay.audit.tasks import available
     from kvrelay.audit.tasks.datasets import load_tasks
-    from kvrelay.bench.fuse_eval import METHODS, evaluate, load_adapters, settings_label, summarize
+    from kvrelay.bench.fuse_eval import METHODS, eval_result, load_adapters, settings_label
     from kvrelay.cli import validate as v
     from kvrelay.cli.common import load_for_cli, write_json
     from kvrelay.core.errors import RecordsError
@@ -147,11 +147,10 @@ def eval_(
                              fuser=fuser_dir)
     chosen = [t for name in task_sets for t in load_tasks(name, limit, seed)]
     try:
-        trials = evaluate(r_lm, s_lm, chosen, method_list, adapters, max_new_tokens=max_new_tokens,
+        out = eval_result(r_lm, s_lm, chosen, method_list, adapters, threads=threads, max_new_tokens=max_new_tokens,
                           records=records, progress=lambda xs, d: tqdm(xs, desc=d, unit="task"))
     except RecordsError as err:
         raise typer.BadParameter(str(err), param_hint="--records") from None
-    out = summarize(trials, receiver, sharer)
     out["settings"] = {"tasks": tasks, "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
                        **settings_label(adapters)}  # `command` (the argv): write_json
     _print(out, receiver, sharer)
