@@ -165,12 +165,13 @@ def test_records_of_another_adapter_are_never_resumed(setup, tmp_path):
     receiver, sharer, adapter, tasks = setup
     adapters = {"adapter": adapter, "fuser": None, "layers": None}
     records = tmp_path / "r.jsonl"
-    first = evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
+    first = evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3,
+                     records=records).trials
     label = settings_label(adapters)["adapter"]
     assert {t.adapter for t in first if t.method == "ridge"} == {label}
     assert {t.adapter for t in first if t.method == "receiver"} == {None}
     again = evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
-    assert len(again) == len(first)  # the same adapter: resumed, nothing rerun
+    assert len(again.trials) == again.resumed == len(first)  # the same adapter: resumed, nothing rerun
     rows = [json.loads(line) for line in records.read_text().splitlines()]
     for stamp in ("ridge@0123456789abcdef", None):
         records.write_text("".join(json.dumps({**r, "adapter": stamp if r["method"] == "ridge" else None}) + "\n"
@@ -178,7 +179,7 @@ def test_records_of_another_adapter_are_never_resumed(setup, tmp_path):
         with pytest.raises(RecordsError, match="its ridge trials were made with adapter"):
             evaluate(receiver, sharer, tasks[:2], ("receiver", "ridge"), adapters, max_new_tokens=3, records=records)
     kept = evaluate(receiver, sharer, tasks[:2], ("receiver",), adapters, max_new_tokens=3, records=records)
-    assert len(kept) == len(rows)  # a run without that method does not care
+    assert len(kept.trials) == kept.resumed == len(rows)  # a run without that method does not care
 
 
 def test_eval_result_says_which_trials_it_timed_and_under_what_load(setup, tmp_path):

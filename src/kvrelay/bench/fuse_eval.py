@@ -227,8 +227,16 @@ def load_adapters(r_lm, s_lm, receiver: str, sharer: str, methods: Sequence[str]
             if "layers" in methods else None}
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """``evaluate``'s trials (this run's tasks and methods) and how many of them came from the records."""
+
+    trials: list[Trial]
+    resumed: int  # trials taken from the records file, not run now
+
+
 def evaluate(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters: dict, *, max_new_tokens: int = 16,
-             records: Path | None = None, progress: Callable | None = None) -> list[Trial]:
+             records: Path | None = None, progress: Callable | None = None) -> Evaluation:
     """``run_tasks`` with every trial kept in ``records`` as it lands. An existing file is resumed: its trials
     of these tasks are not rerun, and every earlier trial stays in the file (this run's tasks or not). A
     ridge / layers / fuser trial made with another adapter than this run's (or recorded without its adapter)
@@ -241,10 +249,17 @@ def evaluate(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters
         if t.task_id in ids and t.method in methods and want is not None and t.adapter != want:
             raise RecordsError(f"{records}: its {t.method} trials were made with adapter {t.adapter or '(not recorded)'}, "
                                f"this run's is {want}; give another --records file (or drop that method's lines)")
-    sink = (lambda trial: append_json_lines(records, trial_rows([trial]))) if records else None
-    return run_tasks(r_lm, s_lm, adapters["adapter"], tasks, methods, max_new_tokens=max_new_tokens,
-                     progress=progress, done=[t for t in earlier if t.task_id in ids], sink=sink,
-                     fuser=adapters["fuser"], layers=adapters["layers"], labels=labels)
+    new: list[Trial] = []
+
+    def sink(trial: Trial) -> None:
+        new.append(trial)
+        if records:
+            append_json_lines(records, trial_rows([trial]))
+
+    trials = run_tasks(r_lm, s_lm, adapters["adapter"], tasks, methods, max_new_tokens=max_new_tokens,
+                       progress=progress, done=[t for t in earlier if t.task_id in ids], sink=sink,
+                       fuser=adapters["fuser"], layers=adapters["layers"], labels=labels)
+    return Evaluation(trials, len(trials) - len(new))
 
 
 def eval_result(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapters: dict, *, threads: int | None,
@@ -257,15 +272,13 @@ def eval_result(r_lm, s_lm, tasks: Sequence[Task], methods: Sequence[str], adapt
     import torch
 
     threads = threads or torch.get_num_threads()
-    earlier = {(r["task_id"], r["method"], r["mismatched"]) for r in read_json_lines(records, cut_tail_ok=True)} \
-        if records and records.exists() else set()
     before = round(load(), 2)
-    trials = evaluate(r_lm, s_lm, tasks, methods, adapters, max_new_tokens=max_new_tokens, records=records,
-                      progress=progress)
+    run = evaluate(r_lm, s_lm, tasks, methods, adapters, max_new_tokens=max_new_tokens, records=records,
+                   progress=progress)
     after = round(load(), 2)
-    resumed = sum((t.task_id, t.method, t.mismatched) in earlier for t in trials)
-    out = summarize(trials, r_lm.name, s_lm.name)
-    out |= {"trials_measured": len(trials) - resumed, "trials_from_records": resumed, "threads": threads,
+    out = summarize(run.trials, r_lm.name, s_lm.name)
+    out |= {"trials_measured": len(run.trials) - run.resumed, "trials_from_records": run.resumed,
+            "threads": threads,
             "load_average": {"load1_before": before, "load1_after": after, **load_status([before, after], threads)}}
     return out
 
