@@ -54,7 +54,7 @@ def test_a_tight_slo_routes_the_edge_none_and_the_receiver_reads_only_its_turn(t
     assert r.exit_code == 0, r.output
     fixer = res["per_agent"][1]
     d = fixer["decision"]
-    assert d["channel"] == "none" and d["codec"] is None and "no channel meets the SLO" in d["reason"]
+    assert d["channel"] == "none" and d["codec"] is None and "no channel meets the SLO 0.01 s" in d["reason"]
     assert fixer["channel"] == "auto:none" and fixer["kv_relayed_tokens"] == 0 and fixer["kv_relay_bytes"] == 0
     assert fixer["kv_prefill_tokens"] < fixer["text_prefill_tokens"]  # the reader's turn was not read
     assert res["policy"]["slo_s"] == 0.01 and res["auto_routes"][0]["channel"] == "none"
