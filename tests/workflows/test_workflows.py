@@ -133,7 +133,7 @@ def test_bench_json_has_contract_fields(tiny_by_arch, tmp_path):
     lm = tiny_by_arch["llama"]
     wl = build_workload("hierarchy", lm.tokenizer, 64)
     wl = Workload(wl.workflow.with_tokens(4, 2), wl.context, wl.fact, wl.source)
-    res = bench_pipeline(lm, wl, repeats=1, model_name="tiny-llama")
+    res = bench_pipeline(lm, wl, repeats=1, model_name="tiny-llama", load=iter([0.5, 9.0]).__next__)
     for k in ("workflow", "agents", "text_s", "kv_s", "speedup", "ideal_speedup", "outputs_identical", "per_agent"):
         assert k in res
     assert res["workflow"] == "hierarchy" and res["agents"] == 5 and len(res["per_agent"]) == 5
@@ -146,6 +146,10 @@ def test_bench_json_has_contract_fields(tiny_by_arch, tmp_path):
     png = plot_pipeline(json.loads(path.read_text()), tmp_path / "p.png")
     assert png.stat().st_size > 1000
     assert "| hierarchy | continue |" in results_markdown([res])
+    # the load before each repeat and after the last, labelled against the run's threads
+    assert res["load_average"] == {"load1_before_repeat": [0.5], "load1_after": 9.0, "status": "loaded",
+                                   "limit": res["machine"]["threads"] + 0.5, "max": 9.0}
+    assert res["runs"][0]["load1_before"] == 0.5
 
 
 def test_workload_context_is_real_text_near_budget():

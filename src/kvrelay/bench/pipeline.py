@@ -13,6 +13,9 @@ load (shared CPUs) hits both alike. Reported (docs/json.md):
   to back), then the median: less sensitive to machine load drifting between repeats.
 * ``outputs_identical`` — every agent wrote the same tokens in both modes, in every repeat.
 * ``fact`` — exact match of the known answer in the last agent's output, per mode.
+* ``load_average`` — the 1-minute load before each repeat and after the last, labelled ``quiet`` or
+  ``loaded`` against the run's threads (``bench.quiet.load_status``): a loaded run's times are not the
+  engines' own.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from kvrelay.bench.auto_policy import auto_routes
+from kvrelay.bench.quiet import load1, load_status
 from kvrelay.workflows.run import RunTrace, run_workflow
 from kvrelay.workflows.workloads import BENCH_NEW_TOKENS, Workload
 
@@ -79,7 +84,8 @@ def _common_prefix(a, b) -> int:
 
 
 def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str | None = None,
-                   warmup: bool = True, progress=None, executor=None, policy=None) -> dict:
+                   warmup: bool = True, progress=None, executor=None, policy=None,
+                   load: Callable[[], float] = load1) -> dict:
     """Run ``workload`` in text and kv mode ``repeats`` times each, interleaved; the dict of docs/json.md.
 
     ``executor`` picks where agents run (``workflows.executors``; default: in process on ``lm``,
@@ -87,6 +93,7 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
     ``RayExecutor`` or a ``ProcessExecutor``. Every backend runs the same ``run_workflow`` loop.
     ``policy``: the ``workflows.auto.AutoPolicy`` that decides the workflow's ``channel = "auto"`` edges in
     kv mode (one policy across repeats, so its switch learns); text mode re-encodes them like every edge.
+    ``load``: the 1-minute load reading taken before each repeat and after the last (``load_average``).
     """
     ex = lm if executor is None else executor
 
@@ -102,15 +109,20 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
     order_log = []
     for r in range(repeats):
         order = ("text", "kv") if r % 2 == 0 else ("kv", "text")
-        load1 = os.getloadavg()[0]  # 1-min load average before the repeat: was the machine quiet?
+        before = round(load(), 2)  # 1-min load average before the repeat: was the machine quiet?
         for mode in order:
             t = run(wf, workload.context, mode)
             runs[mode].append(t)
             if progress:
                 progress(f"repeat {r + 1}/{repeats} {mode}: {t.wall_s:.1f}s")
         order_log.append({"repeat": r, "order": list(order), "text_s": runs["text"][-1].wall_s,
-                          "kv_s": runs["kv"][-1].wall_s, "load1_before": load1})
-    return summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
+                          "kv_s": runs["kv"][-1].wall_s, "load1_before": before})
+    after = round(load(), 2)
+    out = summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
+    readings = [o["load1_before"] for o in order_log]
+    out["load_average"] = {"load1_before_repeat": readings, "load1_after": after,
+                           **load_status([*readings, after], out["machine"]["threads"])}
+    return out
 
 
 def _avoided(t: RunTrace, k: RunTrace, share: bool = False) -> float:
