@@ -34,6 +34,8 @@ MISTAKES = [
     ("context-both", ["relay", "--model", SMOL, "--context", "ctx.md", "--context-text", "hi", "--question", "Q?"],
      "either --context FILE or --context-text TEXT"),
     ("context-none", ["relay", "--model", SMOL, "--question", "Q?"], "no context given"),
+    ("speculative-min-draft", ["bench", "speculative", "--target", "tiny:qwen2", "--draft", "none", "--min-draft",
+                               "9"], "expected at most --num-draft (4) and --lookup-tokens (8)"),
     ("question-empty", ["relay", "--model", SMOL, "--context", "ctx.md", "--question", ""], "--question is empty"),
     ("question-missing", ["relay", "--model", SMOL, "--context", "ctx.md"], "missing option --question"),
     ("relay-model-typo", ["relay", "--model", "smollm-135m", "--context", "ctx.md", "--question", "Q?"],

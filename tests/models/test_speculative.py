@@ -126,6 +126,42 @@ def test_drafting_pauses_longer_while_nothing_is_kept_and_resumes_when_something
     assert d.propose(seq, 8) == [7, 8, 9]
 
 
+def test_with_a_shortest_draft_drafts_never_shrink_below_it_and_a_draft_that_keeps_too_little_pauses():
+    """``min_draft`` = 4 (a CPU where 2- and 3-token forwards cost as much as that many steps): drafts stay
+    4-8 tokens long; one that keeps 2 tokens pays (the next is 3 shorter than a full one would grow,
+    floored at 4), one that keeps 1 does not and starts the pause, whose probes are 4 tokens long."""
+    seq = list(range(10, 30)) + list(range(10, 12))  # [10, 11] recurs: its continuation is 12, 13, ...
+    d = LookupDrafter(PromptLookup(num_draft=8, min_draft=4), seq[:20])
+    assert len(d.propose(seq, 64)) == 8
+    d.update(seq, 8, 2)  # kept 2: pays; -1 a step
+    assert len(d.propose(seq, 64)) == 7
+    for _ in range(5):
+        d.update(seq, 7, 2)
+        d.propose(seq, 64)
+    assert len(d.propose(seq, 64)) == 4  # floored at min_draft, never 1-3
+    d.update(seq, 4, 1)  # kept 1 of 4: does not pay for the wider forward
+    assert d.propose(seq, 64) == []  # paused one step
+    assert d.propose(seq, 64) == list(range(12, 16))  # the probe: min_draft tokens
+    d.update(seq, 4, 4)  # a probe that pays ends the pausing and drafts grow again
+    assert len(d.propose(seq, 64)) == 6
+    with pytest.raises(ValueError, match="min_draft"):
+        PromptLookup(num_draft=3, min_draft=4)
+    with pytest.raises(ValueError, match="min_draft"):
+        DraftModel(None, None, num_draft=4, min_draft=0)
+
+
+@pytest.mark.parametrize(("arch", "engine"), [("qwen2", "fp32"), ("gemma3", "int4")])
+def test_drafts_of_at_least_four_tokens_write_what_plain_decoding_writes(arch, engine):
+    lm = with_engine(tiny_lm(arch), engine)
+    payload = Agent(lm, "sender").read(CONTEXT)
+    plain = _answer(lm, payload)
+    spec = _answer(lm, payload, speculate=PromptLookup(min_ngram=1, min_draft=4))
+    assert spec.token_ids == plain.token_ids and spec.speculation.drafted > 0
+    draft = _perturbed(lm, 0.002)
+    spec = _answer(lm, payload, speculate=DraftModel(draft, Agent(draft, "sender").read(CONTEXT), min_draft=4))
+    assert spec.token_ids == plain.token_ids and spec.speculation.drafted > 0
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_draft_model_that_is_never_right_is_soon_left_idle_and_changes_nothing(arch):
     lm = tiny_lm(arch)

@@ -19,7 +19,7 @@ from kvrelay.agents.receive import RoundBook, receive
 from kvrelay.core.errors import IncompatiblePayload
 from kvrelay.kv.cache import to_cache
 from kvrelay.kv.payload import KVPayload
-from kvrelay.models.speculative import ModelDrafter
+from kvrelay.models.speculative import ModelDrafter, check_draft_lengths
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -27,10 +27,10 @@ class DraftModel:
     lm: object  # ``LoadedModel`` of the draft
     payload: KVPayload | None = None  # the draft's cache of the relayed tokens (one row)
     num_draft: int = 4  # most tokens drafted per verify forward
+    min_draft: int = 1  # fewest tokens drafted per verify forward (``models.speculative``)
 
     def __post_init__(self):
-        if self.num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        check_draft_lengths(self.min_draft, self.num_draft)
         if self.payload is not None and self.payload.batch_size != 1:
             raise ValueError("a draft payload holds one row")
 
@@ -45,14 +45,14 @@ class DraftModel:
         if self.payload is None:
             from transformers import DynamicCache
 
-            return ModelDrafter(model, DynamicCache(config=model.config), 0, origin, self.num_draft)
+            return ModelDrafter(model, DynamicCache(config=model.config), 0, origin, self.num_draft, self.min_draft)
         p = receive(self.payload, self.lm.identity, RoundBook())
         held = p.token_ids[0].tolist()
         if held != list(history[: len(held)]) or int(p.positions[0, 0]) != origin or not bool(p.mask.all()):
             raise IncompatiblePayload("token_ids", "the first tokens of the receiver's cache at the same positions",
                                       f"{len(held)} other tokens from position {int(p.positions[0, 0])}",
                                       "the draft's payload must encode the relayed tokens the target's does")
-        return ModelDrafter(model, to_cache(p, model.config), len(held), origin, self.num_draft)
+        return ModelDrafter(model, to_cache(p, model.config), len(held), origin, self.num_draft, self.min_draft)
 
 
 @lru_cache(maxsize=8)

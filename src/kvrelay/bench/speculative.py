@@ -32,7 +32,7 @@ from kvrelay.bench.quiet import LoadReader, load1, load_status, require_quiet
 from kvrelay.bench.relay import QUESTION, context_ids
 from kvrelay.kv import wire
 from kvrelay.kv.codecs import Compressed, compress
-from kvrelay.models.speculative import PromptLookup
+from kvrelay.models.speculative import PromptLookup, check_draft_lengths
 
 MODES = ("text", "relay", "relay_lookup", "relay_draft")
 WORKLOADS = {
@@ -54,6 +54,7 @@ class Setup:
     codec: str = "raw"
     lookup: PromptLookup = PromptLookup()
     num_draft: int = 4
+    min_draft: int = 1  # the draft model's fewest tokens per verify forward (the lookup's is in ``lookup``)
 
     def __post_init__(self):
         if self.repeats < 1 or self.new_tokens < 2 or self.context_tokens < 16:
@@ -62,8 +63,7 @@ class Setup:
         unknown = sorted(set(self.workloads) - set(WORKLOADS))
         if unknown or not self.workloads:
             raise ValueError(f"workloads must be among {list(WORKLOADS)}, got {list(self.workloads)}")
-        if self.num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        check_draft_lengths(self.min_draft, self.num_draft)
 
 
 class Relay:
@@ -92,7 +92,7 @@ def trial(target, draft, relay: Relay, ids: list[int], mode: str, prompt: str, s
         if mode == "relay_lookup":
             speculate = setup.lookup
         elif mode == "relay_draft":
-            speculate = DraftModel(draft, relay.unpack(relay.draft_blob), setup.num_draft)
+            speculate = DraftModel(draft, relay.unpack(relay.draft_blob), setup.num_draft, setup.min_draft)
     unpack_s = time.perf_counter() - t0
     r = receiver.respond(prompt, context, max_new_tokens=n, min_new_tokens=n, speculate=speculate)
     s = r.speculation
@@ -137,8 +137,8 @@ def bench_speculative(target, draft, setup: Setup = Setup(), *, modes=MODES, all
             "codec": setup.codec, "threads": threads, "relay_bytes": len(relay.blob),
             "draft_relay_bytes": None if relay.draft_blob is None else len(relay.draft_blob),
             "lookup": {"num_draft": setup.lookup.num_draft, "max_ngram": setup.lookup.max_ngram,
-                       "min_ngram": setup.lookup.min_ngram},
-            "num_draft": setup.num_draft, "load1": loads, "allow_load": allow_load, "runs": runs}
+                       "min_ngram": setup.lookup.min_ngram, "min_draft": setup.lookup.min_draft},
+            "num_draft": setup.num_draft, "min_draft": setup.min_draft, "load1": loads, "allow_load": allow_load, "runs": runs}
 
 
 def _median(xs) -> float:
@@ -177,6 +177,7 @@ def report(raw: dict, *, target: str, draft: str | None, command: str, extra: di
     return {"target": target, "draft": draft, "command": command, "threads": raw["threads"],
             "repeats": raw["repeats"], "context_tokens": raw["context_tokens"], "new_tokens": raw["new_tokens"],
             "codec": raw["codec"], "lookup": raw["lookup"], "num_draft": raw["num_draft"],
+            "min_draft": raw["min_draft"],
             "relay_bytes": raw["relay_bytes"], "draft_relay_bytes": raw["draft_relay_bytes"],
             "load_average": {"load1": raw["load1"], **load_status(raw["load1"], raw["threads"])},
             "machine": extra or {}, "rows": rows(raw), "raw": raw}

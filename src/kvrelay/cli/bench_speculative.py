@@ -50,6 +50,9 @@ def speculative_cmd(
     codec: str = typer.Option("raw", help="payload codec on the wire (raw keeps relay exact)"),
     num_draft: int = typer.Option(4, min=1, help="most tokens the draft model writes per verify forward"),
     lookup_tokens: int = typer.Option(8, min=1, help="most tokens prompt lookup proposes per verify forward"),
+    min_draft: int = typer.Option(1, min=1, help="fewest tokens either drafter proposes per verify forward; on a "
+                                  "CPU where a 2- or 3-token forward costs 2 or 3 one-token steps, 4 "
+                                  "(benchmarks/verify_cost.py measures it; docs/engine.md)"),
     threads: int | None = typer.Option(None, help="threads (default: one per core)"),
     allow_load: bool = typer.Option(False, "--allow-load", help="keep figures from a busy machine (1-minute load "
                                     "above the threads + 0.5), labelled loaded; without it such a run stops"),
@@ -72,7 +75,11 @@ def speculative_cmd(
     use_draft = draft != "none"
     if use_draft:
         v.model(draft, "--draft")
-    setup = Setup(context_tokens, new_tokens, repeats, loads, codec, PromptLookup(num_draft=lookup_tokens), num_draft)
+    if min_draft > min(num_draft, lookup_tokens):
+        raise v.InvalidInput(f"--min-draft {min_draft}", f"at most --num-draft ({num_draft}) and --lookup-tokens "
+                             f"({lookup_tokens})")
+    setup = Setup(context_tokens, new_tokens, repeats, loads, codec,
+                  PromptLookup(num_draft=lookup_tokens, min_draft=min_draft), num_draft, min_draft)
     threads = threads or os.cpu_count() or 1
     target_lm = load_for_cli(target, threads, engine=engine)
     draft_lm = load_for_cli(draft, threads, engine=engine) if use_draft else None

@@ -16,12 +16,17 @@ Drafters (``Drafter``: ``propose(seq, limit)``, then ``update(seq, proposed, acc
   tokens and writes greedy tokens one at a time.
 
 Both adapt their draft length as Hugging Face's assisted generation does: +2 after a fully accepted
-draft, -1 after a partly accepted one (never below 1, never above ``num_draft``). A draft of which
-nothing is kept costs a wider verify forward (and, for a draft model, its own forwards) for no gain,
-so drafting where it does not pay is stopped: after such a draft the next ones are 1 token long and
-drafting pauses for 1 step, then 2, 4, ... up to ``MAX_PAUSE`` steps while the probes keep missing;
-a draft of which anything is kept ends the pause. Where drafts are never kept, the cost falls to
-about one 1-token probe per ``MAX_PAUSE`` steps; where they are, drafting never pauses.
+draft, -1 after a partly accepted one (never below ``min_draft``, never above ``num_draft``). A draft
+that keeps too little costs a wider verify forward (and, for a draft model, its own forwards) for no
+gain, so drafting where it does not pay is stopped: after a draft that keeps fewer than
+``(min_draft + 1) // 2`` tokens (with the default ``min_draft`` = 1: none) the next ones are
+``min_draft`` tokens long and drafting pauses for 1 step, then 2, 4, ... up to ``MAX_PAUSE`` steps
+while the probes keep missing; a draft that pays ends the pause. Where drafts never pay, the cost
+falls to about one probe per ``MAX_PAUSE`` steps; where they do, drafting never pauses.
+
+``min_draft`` is for CPUs, where a forward of 2 or 3 tokens can cost as much as 2 or 3 one-token
+steps while one of 5 costs about 2 (``benchmarks/verify_cost.py`` measures it; docs/engine.md): there
+short drafts never pay, and with ``min_draft`` = 4 a draft pays when it keeps 2 tokens or more.
 
 Layout: one row (B = 1). ``seq`` is every token the target cache holds (``history``) followed by the
 tokens written since; the token at ``seq[i]`` sits at position ``origin + i`` with
@@ -55,10 +60,10 @@ class PromptLookup:
     num_draft: int = 8  # most tokens proposed per verify forward
     max_ngram: int = 3
     min_ngram: int = 2
+    min_draft: int = 1  # fewest tokens proposed per verify forward (module docstring)
 
     def __post_init__(self):
-        if self.num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        check_draft_lengths(self.min_draft, self.num_draft)
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
@@ -69,12 +74,20 @@ class PromptLookup:
 MAX_PAUSE = 32  # most decode steps without drafting between two probes that keep missing
 
 
-class _Adaptive:
-    """The draft length (+2 after a fully accepted draft, -1 after a partly accepted one, within [1, most])
-    and the pause after drafts of which nothing was kept (1, 2, 4, ... ``MAX_PAUSE`` steps)."""
+def check_draft_lengths(least: int, most: int) -> None:
+    if not 1 <= least <= most:
+        raise ValueError(f"expected 1 <= min_draft <= num_draft, got min_draft={least}, num_draft={most}")
 
-    def __init__(self, most: int):
-        self.most, self.now = most, most
+
+class _Adaptive:
+    """The draft length (+2 after a fully accepted draft, -1 after a partly accepted one, within [least, most])
+    and the pause after drafts that kept fewer than ``(least + 1) // 2`` tokens (1, 2, 4, ... ``MAX_PAUSE``
+    steps)."""
+
+    def __init__(self, most: int, least: int = 1):
+        check_draft_lengths(least, most)
+        self.most, self.least, self.now = most, least, most
+        self.pays = (least + 1) // 2  # tokens a draft must keep to pay for its wider forward
         self.skip = 0  # steps left in the current pause
         self.wait = 1  # the next pause's length
 
@@ -88,11 +101,11 @@ class _Adaptive:
     def update(self, proposed: int, accepted: int) -> None:
         if not proposed:
             return
-        if accepted == 0:
-            self.now, self.skip, self.wait = 1, self.wait, min(MAX_PAUSE, 2 * self.wait)
+        if accepted < self.pays and accepted < proposed:
+            self.now, self.skip, self.wait = self.least, self.wait, min(MAX_PAUSE, 2 * self.wait)
             return
         self.wait = 1
-        self.now = min(self.most, self.now + 2) if accepted == proposed else max(1, self.now - 1)
+        self.now = min(self.most, self.now + 2) if accepted == proposed else max(self.least, self.now - 1)
 
 
 class LookupDrafter:
@@ -102,7 +115,7 @@ class LookupDrafter:
         self.s = settings
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 1  # n-grams ending before seq[j] are indexed for every j < indexed
-        self.length = _Adaptive(settings.num_draft)
+        self.length = _Adaptive(settings.num_draft, settings.min_draft)
         self._index_upto(history)
 
     def _index_upto(self, seq: Sequence[int]) -> None:
@@ -129,11 +142,9 @@ class LookupDrafter:
 class ModelDrafter:
     """A draft model over its own cache of ``seq[:fed]``: proposes its greedy continuation."""
 
-    def __init__(self, model, cache, fed: int, origin: int, num_draft: int = 4):
-        if num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    def __init__(self, model, cache, fed: int, origin: int, num_draft: int = 4, min_draft: int = 1):
         self.model, self.cache, self.fed, self.origin = model, cache, fed, origin
-        self.length = _Adaptive(num_draft)
+        self.length = _Adaptive(num_draft, min_draft)
         self._start = fed  # len(seq) when the last proposal was made
         cache.activate_past_recording()  # sliding-window layers keep what a rollback may need
 
@@ -156,6 +167,8 @@ class ModelDrafter:
         return out
 
     def update(self, seq: Sequence[int], proposed: int, accepted: int) -> None:
+        if not proposed:  # a step without a draft (paused): nothing was fed, nothing to roll back
+            return
         keep = self._start + min(accepted, self.fed - self._start)  # fed drafts the target kept
         if self.fed > keep:
             self.cache.crop(keep - self.fed)  # roll the draft's cache back over the rejected drafts
