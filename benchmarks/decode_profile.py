@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     import kvrelay.models.generate as G
-    from kvrelay.bench.quiet import load1, load_status
+    from kvrelay.bench.quiet import load1, repeat_loads
     from kvrelay.models import reserve
     from kvrelay.models.loader import load_model
 
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({med['concatenating'] / med['reserved']:.2f}x), same tokens: {rows[-1]['same_tokens']}")
     after = round(load1(), 2)
     out = {"model": args.model, "threads": args.threads, "repeats": args.repeats, "rows": rows,
-           "machine": platform.node(), "load_average": {"load1_before_repeat": before, "load1_after": after,
-                                                        **load_status([*before, after], args.threads)},
+           "machine": platform.node(), "load_average": repeat_loads(before, after, args.threads),
            "command": "python benchmarks/decode_profile.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")

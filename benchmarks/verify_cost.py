@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     import kvrelay.models.generate as G
-    from kvrelay.bench.quiet import load1, load_status
+    from kvrelay.bench.quiet import load1, repeat_loads
     from kvrelay.models.loader import load_model
 
     widths = [int(w) for w in args.widths.split(",")]
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
            "repeats": args.repeats, "one_token_step_ms": step, "rows": rows,
            "profile_shares_widest_all": _profile_shares(G, lm.model, cache, start, max(widths)),
            "machine": {"platform": platform.platform(), "torch": torch.__version__},
-           "load_average": {"load1_before_repeat": before, "load1_after": after,
-                            **load_status([*before, after], args.threads)},
+           "load_average": repeat_loads(before, after, args.threads),
            "command": "python benchmarks/verify_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")

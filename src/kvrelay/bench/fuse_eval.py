@@ -42,7 +42,7 @@ from kvrelay.audit.channels import relabelled
 from kvrelay.audit.runner import length_matched
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
-from kvrelay.bench.quiet import load1, load_status
+from kvrelay.bench.quiet import load1, load_status, repeat_loads
 from kvrelay.core.errors import RecordsError
 from kvrelay.core.jsonl import append_json_lines, read_json_lines, resume_json_lines
 from kvrelay.fuse import artefact
@@ -335,8 +335,7 @@ def ttft_result(receiver_lm, sharer_lm, adapter, method: str, tokens: int, repea
             "context_tokens": payload.num_tokens, "repeats": repeats, "text_full_ttft_s": text_med,
             f"{method}_ttft_s": mapped_med, "speedup": text_med / mapped_med, "text_full_all": text_s,
             f"{method}_all": mapped_s, "bytes": moved, "threads": threads,
-            "load_average": {"load1_before_repeat": before, "load1_after": after,
-                             **load_status([*before, after], threads)}}
+            "load_average": repeat_loads(before, after, threads)}
 
 
 def time_ttft(receiver_lm, adapter, text: str, payload, prompt: str, repeats: int) -> tuple[list[float], list[float]]:

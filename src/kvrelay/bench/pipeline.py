@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvrelay.bench.auto_policy import auto_routes
-from kvrelay.bench.quiet import load1, load_status
+from kvrelay.bench.quiet import load1, repeat_loads
 from kvrelay.workflows.run import RunTrace, run_workflow
 from kvrelay.workflows.workloads import BENCH_NEW_TOKENS, Workload
 
@@ -119,9 +119,7 @@ def bench_pipeline(lm, workload: Workload, *, repeats: int = 3, model_name: str 
                           "kv_s": runs["kv"][-1].wall_s, "load1_before": before})
     after = round(load(), 2)
     out = summarize(workload, runs, order_log, model_name or getattr(lm, "name", "?"))
-    readings = [o["load1_before"] for o in order_log]
-    out["load_average"] = {"load1_before_repeat": readings, "load1_after": after,
-                           **load_status([*readings, after], out["machine"]["threads"])}
+    out["load_average"] = repeat_loads([o["load1_before"] for o in order_log], after, out["machine"]["threads"])
     return out
 
 

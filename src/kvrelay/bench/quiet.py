@@ -39,6 +39,12 @@ def load_status(readings: Sequence[float], threads: int) -> dict:
     return {"status": LOADED if top > limit(threads) else QUIET, "limit": limit(threads), "max": top}
 
 
+def repeat_loads(before: Sequence[float], after: float, threads: int) -> dict:
+    """A timing JSON's ``load_average``: the reading before each repeat, the one after the last, and their
+    ``load_status``."""
+    return {"load1_before_repeat": list(before), "load1_after": after, **load_status([*before, after], threads)}
+
+
 def require_quiet(reading: float, threads: int, allow_load: bool, when: str) -> None:
     """Raise ``MachineLoaded`` for a reading above ``threads + MARGIN`` unless ``allow_load``."""
     if reading > limit(threads) and not allow_load:

@@ -26,7 +26,7 @@ import torch
 
 from kvrelay.agents.agent import Agent
 from kvrelay.bench.pipeline import above_ideal
-from kvrelay.bench.quiet import LoadReader, load1, load_status
+from kvrelay.bench.quiet import LoadReader, load1, repeat_loads
 from kvrelay.core.corpus import prose
 
 QUESTION = "In one sentence, what is the main topic of the text above?"
@@ -135,6 +135,5 @@ def bench_relay(lm, sizes: list[int], repeats: int = 3, max_new_tokens: int = 16
     after = round(load(), 2)
     return {"model": lm.name, "fingerprint": lm.identity.fingerprint, "threads": threads,
             "repeats": repeats, "max_new_tokens": max_new_tokens, "rows": rows,
-            "load_average": {"load1_before_repeat": before, "load1_after": after,
-                             **load_status([*before, after], threads)}}
+            "load_average": repeat_loads(before, after, threads)}
 
