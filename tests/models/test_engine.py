@@ -18,7 +18,7 @@ from kvrelay.models.loader import with_engine
 from tests.conftest import random_ids
 
 COMPACT = tuple(e for e in ENGINES if e != "fp32")
-FP32_PREFILL = tuple(e for e in COMPACT if "+" not in e)
+FP32_PREFILL = tuple(e for e in COMPACT if "+" not in e and e != "fp32p")  # fewer bytes per weight than fp32
 TOL = 1e-4
 CONTEXT = "the vault is blue and the key is seven what is the code of the red file"
 
@@ -70,6 +70,28 @@ def test_compact_weights_serve_one_token_calls_only(tiny, engine):
            for m in (tiny, lm)]
     assert 0 < (one[0] - one[1]).abs().max().item() < 0.5  # decode: the compact weights, close to fp32
     assert decode_weight_bytes(lm.model) < decode_weight_bytes(tiny.model)
+
+
+def test_packed_fp32_decode_is_fp32_in_another_layout(tiny):
+    """``fp32p``: prefill bit for bit fp32's, one-token calls fp32's up to summation order, the same bytes,
+    and a model in that mode survives ``copy.deepcopy`` (its oneDNN weights are packed again)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    lm = with_engine(tiny, "fp32p")
+    ids = random_ids(9, 2)
+    pos = torch.arange(9)[None]
+    many = [forward_all(m.model, torch.tensor([ids]), pos, DynamicCache(config=m.model.config), None) for m in (tiny, lm)]
+    assert torch.equal(many[0], many[1])
+    twin = copy.deepcopy(lm.model)
+    one = [forward_last(m, torch.tensor([ids[:1]]), pos[:, :1], DynamicCache(config=m.config), None)
+           for m in (tiny.model, lm.model, twin)]
+    assert (one[0] - one[1]).abs().max().item() < 1e-4
+    assert torch.equal(one[1], one[2])
+    assert decode_weight_bytes(lm.model) == decode_weight_bytes(tiny.model)
+    layer = next(m for m in twin.modules() if isinstance(m, PhaseLinear))
+    assert layer.kind == "fp32p" and layer.w_c.is_mkldnn and "w_c" not in dict(layer.named_buffers())
 
 
 def test_modes_share_the_fp32_weights_and_identity(tiny):

@@ -6,7 +6,8 @@ On a CPU the fastest precision differs between the two phases of generation:
   bf16 dot-product instructions (``avx512_bf16``, AMX) and oneDNN's bf16 GEMM outruns fp32 (on
   AVX2-only hosts it is several times slower; ``benchmarks/prefill_gemm.py`` measures it);
 * **decode** (one token per call) is memory-bound: every weight is read once per token, so
-  compact weights (bf16/fp16, per-row int8, group-wise int4) cut the bytes read.
+  compact weights (bf16/fp16, per-row int8, group-wise int4) cut the bytes read, and a layout the
+  kernel reads without repacking (``fp32p``) reads the same bytes faster.
 
 A mode names both phases: ``PREFILL+DECODE`` (``bf16+int8``: bf16 prefill GEMMs, int8 one-token
 calls); a bare decode name (``int8``) keeps fp32 prefill, as every mode did before prefill had a
@@ -19,7 +20,10 @@ shape (..., 1, in). Activations, norms, attention and the KV cache stay fp32, so
 same in every mode; only the linear layers' products differ. A tied lm-head keeps sharing its fp32
 weight with the embedding; its copies are made once.
 
-Decode precisions: ``fp32``, ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
+Decode precisions: ``fp32``, ``fp32p`` (the fp32 weights reordered once into oneDNN's blocked layout,
+``torch.ops.mkldnn._reorder_linear_weight``, multiplied by ``torch.ops.mkldnn._linear_pointwise``: the
+same precision as ``fp32``, only the summation order differs; a plain fp32 GEMM of a few rows repacks
+the whole weight on every call), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
 per-row symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``,
 asymmetric int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape
 rules use int8). The mode is part of a model's identity (``ModelIdentity.engine``) and of every
@@ -44,6 +48,7 @@ INT4_GROUP = 32  # input features per int4 scale/zero pair
 
 _DECODE = {
     "fp32": ("fp32 weights", 4.0),
+    "fp32p": ("fp32 weights in oneDNN's blocked layout", 4.0),
     "bf16": ("bf16 weights and activations", 2.0),
     "fp16": ("fp16 weights and activations", 2.0),
     "int8": ("per-row int8 weights (bf16 activations)", 1.0),
@@ -117,6 +122,14 @@ def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, sz.to(torch.bfloat16).contiguous()
 
 
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 -> the same weights in oneDNN's blocked layout (an opaque mkldnn tensor, N*K floats)."""
+    if not torch.backends.mkldnn.is_available():
+        raise ValueError("decode precision 'fp32p' needs PyTorch built with oneDNN (torch.backends.mkldnn); "
+                         "use 'fp32' on this build")
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
 def _int4_fits(w: torch.Tensor) -> bool:
     return w.shape[0] % 16 == 0 and w.shape[1] % INT4_GROUP == 0
 
@@ -125,7 +138,9 @@ class PhaseLinear(nn.Linear):
     """``nn.Linear`` that multiplies one-token inputs with compact weights and the rest in the prefill precision.
 
     ``weight``/``bias`` are the original parameters (shared, e.g. with a tied embedding); the copies
-    live in non-persistent buffers, so ``state_dict`` and weight hashes are those of the model.
+    live in non-persistent buffers, so ``state_dict`` and weight hashes are those of the model. The
+    ``fp32p`` copy is an opaque oneDNN tensor that cannot be copied or moved, so it is a plain attribute,
+    left out of the module's state and packed again from ``weight`` on ``copy.deepcopy``.
     """
 
     def __init__(self, src: nn.Linear, kind: str, prefill: str = "fp32"):
@@ -139,6 +154,9 @@ class PhaseLinear(nn.Linear):
         self.kind, self.prefill = kind, prefill
         if kind == "fp32":
             self.act = torch.float32
+        elif kind == "fp32p":
+            self.act = torch.float32
+            self.w_c = _packed(w)  # (N, K) opaque, not a buffer (class docstring)
         elif kind in ("bf16", "fp16"):
             self.act = torch.bfloat16 if kind == "bf16" else torch.float16
             self.register_buffer("w_c", w.to(self.act), persistent=False)  # (N, K)
@@ -165,6 +183,8 @@ class PhaseLinear(nn.Linear):
         """(M, K) fp32 -> (M, N) fp32 through the compact weights."""
         if self.kind == "fp32":
             return nn.functional.linear(x, self.weight)
+        if self.kind == "fp32p":
+            return torch.ops.mkldnn._linear_pointwise(x, self.w_c, None, "none", [], "")
         xa = x.to(self.act)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xa, self.w_c, self.s_c)
@@ -186,6 +206,17 @@ class PhaseLinear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self.kind == "fp32p":
+            del state["w_c"]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.kind == "fp32p":
+            self.w_c = _packed(self.weight.detach().float())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, prefill={self.prefill}, "

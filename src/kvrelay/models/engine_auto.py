@@ -34,13 +34,14 @@ from kvrelay.core.paths import home
 from kvrelay.models.engine import mode_name
 
 AUTO_PREFILLS = ("fp32", "bf16")
-AUTO_DECODES = ("fp32", "bf16", "int8")  # int4 and fp16 are opt-in (their accuracy: docs/engine.md)
+# int4 and fp16 are opt-in (their accuracy: docs/engine.md); fp32p where PyTorch has oneDNN
+AUTO_DECODES = ("fp32", *(("fp32p",) if torch.backends.mkldnn.is_available() else ()), "bf16", "int8")
 PREFILL_MARGIN = 1.2  # bf16 prefill must be at least this many times as fast as fp32
 PREFILL_TOKENS, DECODE_CONTEXT = 256, 128
 _PREFILL_RUNS, _WARMUP, _STEPS = 3, 2, 6
 GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16",
               "amx_int8")  # the CPU flags that decide which GEMM kernels oneDNN can use
-VERSION = 2  # of an entry's layout; entries of other versions are measured again
+VERSION = 3  # of an entry's layout; entries of other versions are measured again
 
 
 @dataclass(frozen=True, slots=True)
