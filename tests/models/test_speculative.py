@@ -194,3 +194,30 @@ def _other_vocabulary(lm):
     tok = copy.deepcopy(lm.tokenizer)
     tok.add_tokens(["zebra"])
     return tok
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_verify_attention_without_repeated_heads_computes_what_transformers_sdpa_does(arch):
+    """The verify forward's attention (grouped key/value heads passed to SDPA as they are, the causal
+    pattern aligned to the cache's tail) gives the logits transformers' own SDPA path gives for a
+    multi-token call over a cache — and is not used on sliding-window models."""
+    from transformers import DynamicCache
+
+    from kvrelay.models.attention import gqa_causal_attention, gqa_causal_fits
+    from kvrelay.models.generate import forward_all
+
+    lm = tiny_lm(arch)
+    assert gqa_causal_fits(lm.model) and not gqa_causal_fits(tiny_lm("gemma3").model)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(3))  # (1, 30)
+
+    def logits(ctx):
+        cache = DynamicCache(config=lm.model.config)
+        forward_all(lm.model, ids[:, :24], torch.arange(24)[None], cache, None)
+        with ctx:
+            return forward_all(lm.model, ids[:, 24:], torch.arange(24, 30)[None], cache, None)  # (1, 6, V)
+
+    from contextlib import nullcontext
+
+    ref, got = logits(nullcontext()), logits(gqa_causal_attention(lm.model))
+    assert lm.model.config._attn_implementation == "sdpa"  # restored
+    assert (ref - got).abs().max().item() < 1e-4

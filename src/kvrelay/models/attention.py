@@ -23,6 +23,14 @@ def eager_attention(model) -> Iterator[None]:
 
 
 TAIL_ALIGNED = "kvrelay_tail_aligned"
+GQA_CAUSAL = "kvrelay_gqa_causal"
+
+
+def _tail_mask(q: int, kv: int, device) -> torch.Tensor | None:
+    """Query i of the last ``q`` of ``kv`` slots sees key j when ``j <= kv - q + i``: (1, 1, q, kv) bool, or None for q = 1."""
+    if q == 1:
+        return None
+    return torch.ones(q, kv, dtype=torch.bool, device=device).tril(kv - q)[None, None]
 
 
 def _tail_aligned_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -35,17 +43,56 @@ def _tail_aligned_sdpa(module, query, key, value, attention_mask, **kwargs):
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q, kv = query.shape[2], key.shape[2]  # query (B, H, q, D), key (B, H_kv, kv, D)
-    mask = None
-    if q > 1:
-        mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril(kv - q)[None, None]  # (1, 1, q, kv)
+    mask = _tail_mask(query.shape[2], key.shape[2], query.device)  # query (B, H, q, D), key (B, H_kv, kv, D)
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+
+
+def _gqa_causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The tail-aligned causal pattern with grouped-query heads passed to SDPA as they are (``enable_gqa``).
+
+    Transformers' SDPA path repeats every key/value head for a masked multi-token call (a copy of the
+    whole cache per layer: a fifth of a 5-token verify forward at a 1,024-token context); a one-token
+    call already skips the copy. One unpadded row of full-attention layers, no logit soft-capping.
+    """
+    if kwargs.get("softcap") is not None:
+        raise ValueError("the grouped-query causal attention does not soft-cap logits")
+    mask = _tail_mask(query.shape[2], key.shape[2], query.device)  # query (B, H, q, D), key (B, H_kv, kv, D)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])  # (B, H, q, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, q, H, D), as transformers' attention functions return
 
 
 def _register_tail_aligned() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(TAIL_ALIGNED, _tail_aligned_sdpa)
+    AttentionInterface.register(GQA_CAUSAL, _gqa_causal_sdpa)
+
+
+def gqa_causal_fits(model) -> bool:
+    """Whether ``gqa_causal_attention`` computes what the model's own attention does: every layer full
+    attention over the whole cache (no sliding window), no logit soft-capping, SDPA as the model's choice."""
+    cfg = model.config.get_text_config(decoder=True)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return (model.config._attn_implementation == "sdpa" and all(t == "full_attention" for t in types)
+            and not getattr(cfg, "use_sliding_window", False) and getattr(cfg, "attn_logit_softcapping", None) is None)
+
+
+@contextmanager
+def gqa_causal_attention(model) -> Iterator[None]:
+    """Inside the block one unpadded row's multi-token calls attend causally over the cache without
+    copying grouped key/value heads (a speculative verify forward); a no-op where ``gqa_causal_fits``
+    is false. Not thread-safe, like ``eager_attention``."""
+    if not gqa_causal_fits(model):
+        yield
+        return
+    _register_tail_aligned()
+    model.set_attn_implementation(GQA_CAUSAL)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 @contextmanager

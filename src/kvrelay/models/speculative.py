@@ -5,7 +5,9 @@ Exact under greedy decoding: a drafted token is kept only when it equals the arg
 at its position given every kept token before it, so the output is plain greedy decoding's, token for
 token — up to the float rounding of one multi-token forward against one-token ones. The verify
 forward multiplies with the weights a one-token call uses (``models.engine.decode_weights``), so in
-a compact engine mode it computes what the plain decode loop computes.
+a compact engine mode it computes what the plain decode loop computes, and attends over the cache
+with grouped key/value heads as they are (``models.attention.gqa_causal_attention``), as a one-token
+step does, instead of a copy of the cache with every head repeated.
 
 Drafters (``Drafter``: ``propose(seq, limit)``, then ``update(seq, proposed, accepted)``):
 
@@ -41,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from kvrelay.models.attention import gqa_causal_attention
 from kvrelay.models.engine import decode_weights
 from kvrelay.models.generate import forward_all, forward_last
 
@@ -237,7 +240,7 @@ def speculative_decode(model, cache, history: Sequence[int], first_logits: torch
         feed = torch.tensor([[tok, *draft]], dtype=torch.int64)  # (1, q)
         pos = (next_position + held + torch.arange(feed.shape[1], dtype=torch.int64))[None]  # (1, q)
         if draft:
-            with decode_weights(model):
+            with decode_weights(model), gqa_causal_attention(model):
                 logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
         else:  # no draft: the plain decode step (``generate.decode_n_tokens``), last-position logits only
             logits = forward_last(model, feed, pos, cache, None)  # (1, V)
