@@ -22,8 +22,8 @@ weight with the embedding; its copies are made once.
 
 Decode precisions: ``fp32``, ``fp32p`` (the fp32 weights reordered once into oneDNN's blocked layout,
 ``torch.ops.mkldnn._reorder_linear_weight``, multiplied by ``torch.ops.mkldnn._linear_pointwise``: the
-same precision as ``fp32``, only the summation order differs; a plain fp32 GEMM of a few rows repacks
-the whole weight on every call), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
+same precision as ``fp32``, only the summation order differs; on the CPUs measured a plain fp32 GEMM of
+one to a few rows reads the weights well below the memory's speed, docs/engine.md), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
 per-row symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``,
 asymmetric int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape
 rules use int8). The mode is part of a model's identity (``ModelIdentity.engine``) and of every
