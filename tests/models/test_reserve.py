@@ -95,3 +95,24 @@ def test_short_decodes_and_empty_layers_are_left_alone(lm):
     cache, _ = _prefilled(lm, torch.tensor([random_ids(8, 1)]))
     with reserved(cache, 0):
         assert not any(isinstance(layer, ReservedLayer) for layer in cache.layers)
+
+
+def test_a_rollback_reservation_survives_crops_and_holds_what_concatenation_holds():
+    """With ``rollback`` a crop moves the filled boundary back and keeps writing in place; the layer then
+    holds exactly what a concatenating layer cropped the same way holds (the speculative verify path)."""
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(1, 2, n, 4, generator=g) for n in (5, 3, 2, 4)]  # (B, H, n, D)
+    plain, layer = DynamicLayer(), None
+    plain.update(kv[0], kv[0] * 2)
+    base = DynamicLayer()
+    base.update(kv[0], kv[0] * 2)
+    layer = ReservedLayer(base, room=10, rollback=True)
+    for step, (new, cut) in enumerate(zip(kv[1:], (-2, 0, -3), strict=True)):
+        for lay in (plain, layer):
+            lay.update(new, new * 2)
+            lay.crop(cut)
+        assert layer.reserving, f"step {step}: the reservation was given up"
+        assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values)
+    before = ReservedLayer(base, room=10)  # without rollback a crop gives the reservation up, as before
+    before.crop(-1)
+    assert not before.reserving

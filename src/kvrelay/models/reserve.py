@@ -13,6 +13,11 @@ Nothing written in place is ever visible through a tensor handed out earlier: a 
 slots filled when it was taken, and a write only touches slots after them. Anything that would move
 the filled boundary back (``crop``, batch re-indexing, ``reset``) first gives up the reservation, so
 the layer falls back to concatenation. Sliding-window layers are left as they are.
+
+``reserved(cache, room, rollback=True)`` is for a caller that rolls its cache back and holds no view
+across a rollback (speculative decoding, ``models.speculative``): there ``crop`` moves the filled
+boundary back and keeps the reservation, and later writes reuse the freed slots — so a view taken
+before such a crop may change afterwards.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from transformers.cache_utils import DynamicLayer
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views into a buffer with free slots after them."""
 
-    def __init__(self, layer: DynamicLayer, room: int):
+    def __init__(self, layer: DynamicLayer, room: int, rollback: bool = False):
         super().__init__()
+        self.rollback = rollback  # crop keeps the reservation (module docstring)
         k, v = layer.keys, layer.values  # (B, H, T, D)
         B, H, T, D = k.shape
         self._k = k.new_empty(B, H, T + room, D)  # (B, H, T + room, D)
@@ -61,6 +67,10 @@ class ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:
+        if self.rollback and self._k is not None and tokens_to_remove <= 0:
+            self._n -= min(-tokens_to_remove, self._n)
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+            return
         self._release()
         super().crop(tokens_to_remove)
 
@@ -90,14 +100,15 @@ def _reservable(layer) -> bool:
 
 
 @contextmanager
-def reserved(cache: DynamicCache, room: int) -> Iterator[DynamicCache]:
-    """Within the block, ``cache``'s full-attention layers take up to ``room`` more tokens in place."""
+def reserved(cache: DynamicCache, room: int, rollback: bool = False) -> Iterator[DynamicCache]:
+    """Within the block, ``cache``'s full-attention layers take up to ``room`` more tokens in place
+    (``rollback``: and ``crop`` keeps the reservation, module docstring)."""
     if room <= 0:
         yield cache
         return
     swapped = [i for i, layer in enumerate(cache.layers) if _reservable(layer)]
     for i in swapped:
-        cache.layers[i] = ReservedLayer(cache.layers[i], room)
+        cache.layers[i] = ReservedLayer(cache.layers[i], room, rollback)
     try:
         yield cache
     finally:

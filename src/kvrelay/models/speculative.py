@@ -7,7 +7,9 @@ token — up to the float rounding of one multi-token forward against one-token 
 forward multiplies with the weights a one-token call uses (``models.engine.decode_weights``), so in
 a compact engine mode it computes what the plain decode loop computes, and attends over the cache
 with grouped key/value heads as they are (``models.attention.gqa_causal_attention``), as a one-token
-step does, instead of a copy of the cache with every head repeated.
+step does, instead of a copy of the cache with every head repeated. Like the plain decode loop, it
+writes into a cache with room reserved (``models.reserve``), and rolling back a rejected draft keeps
+that room instead of falling back to concatenation.
 
 Drafters (``Drafter``: ``propose(seq, limit)``, then ``update(seq, proposed, accepted)``):
 
@@ -46,6 +48,7 @@ import torch
 from kvrelay.models.attention import gqa_causal_attention
 from kvrelay.models.engine import decode_weights
 from kvrelay.models.generate import forward_all, forward_last
+from kvrelay.models.reserve import reserved
 
 
 class Drafter(Protocol):
@@ -228,48 +231,50 @@ def speculative_decode(model, cache, history: Sequence[int], first_logits: torch
     forwards = drafted = accepted_total = 0
     row = first_logits[0]  # (V,)
     done = max_new_tokens < 1
-    while not done:
-        tok = pick(row, len(out))
-        out.append(tok)
-        seq.append(tok)
-        if on_token is not None:
-            on_token(torch.tensor([tok]))
-        if tok in stop_ids or len(out) >= max_new_tokens:
-            break
-        draft = drafter.propose(seq, max_new_tokens - len(out))
-        feed = torch.tensor([[tok, *draft]], dtype=torch.int64)  # (1, q)
-        pos = (next_position + held + torch.arange(feed.shape[1], dtype=torch.int64))[None]  # (1, q)
-        if draft:
-            with decode_weights(model), gqa_causal_attention(model):
-                logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
-        else:  # no draft: the plain decode step (``generate.decode_n_tokens``), last-position logits only
-            logits = forward_last(model, feed, pos, cache, None)  # (1, V)
-        held += feed.shape[1]
-        forwards += 1
-        a = 0
-        for d in draft:
-            if pick(logits[a], len(out)) != d:
-                break
-            out.append(d)
-            seq.append(d)
-            a += 1
+    # room for every token fed (drafts never run past max_new_tokens); rollbacks keep the reservation
+    with reserved(cache, max_new_tokens, rollback=True):
+        while not done:
+            tok = pick(row, len(out))
+            out.append(tok)
+            seq.append(tok)
             if on_token is not None:
-                on_token(torch.tensor([d]))
-            if d in stop_ids or len(out) >= max_new_tokens:
-                done = True
+                on_token(torch.tensor([tok]))
+            if tok in stop_ids or len(out) >= max_new_tokens:
                 break
-        rejected = len(draft) - a
-        if rejected:
-            cache.crop(-rejected)  # drop the K/V of the drafts the model did not write
-            held -= rejected
-        drafter.update(seq, len(draft), a)
-        drafted += len(draft)
-        accepted_total += a
-        row = logits[a]  # the model's next-token logits after the kept tokens
-    extra = held - max(len(out) - 1, 0)  # a kept last draft was fed; plain decoding never feeds its last token
-    if extra > 0:
-        cache.crop(-extra)
-    cache.crop(0)  # sliding-window layers back to their window
+            draft = drafter.propose(seq, max_new_tokens - len(out))
+            feed = torch.tensor([[tok, *draft]], dtype=torch.int64)  # (1, q)
+            pos = (next_position + held + torch.arange(feed.shape[1], dtype=torch.int64))[None]  # (1, q)
+            if draft:
+                with decode_weights(model), gqa_causal_attention(model):
+                    logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
+            else:  # no draft: the plain decode step (``generate.decode_n_tokens``), last-position logits only
+                logits = forward_last(model, feed, pos, cache, None)  # (1, V)
+            held += feed.shape[1]
+            forwards += 1
+            a = 0
+            for d in draft:
+                if pick(logits[a], len(out)) != d:
+                    break
+                out.append(d)
+                seq.append(d)
+                a += 1
+                if on_token is not None:
+                    on_token(torch.tensor([d]))
+                if d in stop_ids or len(out) >= max_new_tokens:
+                    done = True
+                    break
+            rejected = len(draft) - a
+            if rejected:
+                cache.crop(-rejected)  # drop the K/V of the drafts the model did not write
+                held -= rejected
+            drafter.update(seq, len(draft), a)
+            drafted += len(draft)
+            accepted_total += a
+            row = logits[a]  # the model's next-token logits after the kept tokens
+        extra = held - max(len(out) - 1, 0)  # a kept last draft was fed; plain decoding never feeds its last token
+        if extra > 0:
+            cache.crop(-extra)
+        cache.crop(0)  # sliding-window layers back to their window
     for layer in cache.layers:
         if hasattr(layer, "record_past"):
             layer.record_past = False
