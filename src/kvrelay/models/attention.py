@@ -51,8 +51,8 @@ def _gqa_causal_sdpa(module, query, key, value, attention_mask, scaling=None, dr
     """The tail-aligned causal pattern with grouped-query heads passed to SDPA as they are (``enable_gqa``).
 
     Transformers' SDPA path repeats every key/value head for a masked multi-token call (a copy of the
-    whole cache per layer: a fifth of a 5-token verify forward at a 1,024-token context); a one-token
-    call already skips the copy. One unpadded row of full-attention layers, no logit soft-capping.
+    whole cache per layer); a one-token call already skips the copy. One unpadded row of full-attention
+    layers, no logit soft-capping.
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("the grouped-query causal attention does not soft-cap logits")
