@@ -109,7 +109,7 @@ RUNS = [
                       "--allow-load", "--json", "{tmp}/engine.json"], ["measuring the machine's limits", "kvrelay:fp32"]),
     ("bench-speculative", ["bench", "speculative", "--target", "tiny:qwen2", "--draft", "tiny:qwen2:1",
                            "--context-tokens", "32", "--new-tokens", "4", "--repeats", "1", "--allow-load",
-                           "--min-draft", "2", "--threads", "1", "--json", "{tmp}/speculative.json"],
+                           "--min-draft", "2", "--engine", "fp32p", "--threads", "1", "--json", "{tmp}/speculative.json"],
      ["relay_lookup", "relay_draft"]),
     ("calibrate", ["calibrate", "--model", SMOL, "--context-tokens", "64,96", "--codecs", "raw,int8", "--stores",
                    "memory", "--repeats", "1", "--no-compare", "--link-mbps", "100", "--link-latency-ms", "1",
