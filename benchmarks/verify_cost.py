@@ -5,9 +5,8 @@
 
 One prefill of ``--context-tokens`` random token ids; then, per repeat and width ``q``, one forward of ``q``
 new tokens over that cache, as ``models.speculative`` makes it: ``all`` returns every position's logits
-(``generate.forward_all`` with the one-token weights and the grouped-query causal attention, the verify
-forward of ``models.speculative``) and ``last`` only the last one's (``generate.forward_last``,
-the plain decode step when ``q`` = 1). The cache is cropped back after each forward. Medians of ms per
+(``models.speculative.verify_forward``: the one-token weights and the grouped-query causal attention)
+and ``last`` only the last one's (``generate.forward_last``, the plain decode step when ``q`` = 1). The cache is cropped back after each forward. Medians of ms per
 forward, and each width's cost in one-token steps; a profiler's self-time shares of the widest ``all``
 forward. The 1-minute load before each repeat is recorded with its quiet/loaded label (``bench.quiet``).
 """
@@ -26,18 +25,15 @@ import torch
 
 
 def _forward(G, model, cache, start: int, q: int, keep: str):
-    from contextlib import nullcontext
-
-    from kvrelay.models.attention import gqa_causal_attention
-    from kvrelay.models.engine import decode_weights
+    from kvrelay.models.speculative import verify_forward
 
     ids = torch.randint(100, 20_000, (1, q), generator=torch.Generator().manual_seed(q))  # (1, q)
     pos = torch.arange(start, start + q)[None]  # (1, q)
-    fn = G.forward_all if keep == "all" else G.forward_last
     t0 = time.perf_counter()
-    with (decode_weights(model) if keep == "all" else nullcontext()), \
-            (gqa_causal_attention(model) if keep == "all" else nullcontext()):
-        fn(model, ids, pos, cache, None)
+    if keep == "all":
+        verify_forward(model, ids, pos, cache)
+    else:
+        G.forward_last(model, ids, pos, cache, None)
     dt = time.perf_counter() - t0
     cache.crop(-q)  # back to the context alone
     return dt

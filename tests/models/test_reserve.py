@@ -102,7 +102,7 @@ def test_a_rollback_reservation_survives_crops_and_holds_what_concatenation_hold
     holds exactly what a concatenating layer cropped the same way holds (the speculative verify path)."""
     g = torch.Generator().manual_seed(0)
     kv = [torch.randn(1, 2, n, 4, generator=g) for n in (5, 3, 2, 4)]  # (B, H, n, D)
-    plain, layer = DynamicLayer(), None
+    plain = DynamicLayer()
     plain.update(kv[0], kv[0] * 2)
     base = DynamicLayer()
     base.update(kv[0], kv[0] * 2)

@@ -201,6 +201,8 @@ def test_verify_attention_without_repeated_heads_computes_what_transformers_sdpa
     """The verify forward's attention (grouped key/value heads passed to SDPA as they are, the causal
     pattern aligned to the cache's tail) gives the logits transformers' own SDPA path gives for a
     multi-token call over a cache — and is not used on sliding-window models."""
+    from contextlib import nullcontext
+
     from transformers import DynamicCache
 
     from kvrelay.models.attention import gqa_causal_attention, gqa_causal_fits
@@ -215,8 +217,6 @@ def test_verify_attention_without_repeated_heads_computes_what_transformers_sdpa
         forward_all(lm.model, ids[:, :24], torch.arange(24)[None], cache, None)
         with ctx:
             return forward_all(lm.model, ids[:, 24:], torch.arange(24, 30)[None], cache, None)  # (1, 6, V)
-
-    from contextlib import nullcontext
 
     ref, got = logits(nullcontext()), logits(gqa_causal_attention(lm.model))
     assert lm.model.config._attn_implementation == "sdpa"  # restored

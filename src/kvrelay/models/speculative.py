@@ -200,6 +200,13 @@ class Speculated:
     stats: SpecStats
 
 
+def verify_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Every new position's logits (B, q, V) of a verify forward over ``cache``: the weights a one-token
+    call uses (``decode_weights``) and the grouped-query causal attention (``gqa_causal_attention``)."""
+    with decode_weights(model), gqa_causal_attention(model):
+        return forward_all(model, input_ids, position_ids, cache, None)
+
+
 def _picker(stop_ids: set[int], vocab: int, min_new_tokens: int):
     stops = torch.tensor(sorted(i for i in stop_ids if i < vocab), dtype=torch.int64)
 
@@ -245,8 +252,7 @@ def speculative_decode(model, cache, history: Sequence[int], first_logits: torch
             feed = torch.tensor([[tok, *draft]], dtype=torch.int64)  # (1, q)
             pos = (next_position + held + torch.arange(feed.shape[1], dtype=torch.int64))[None]  # (1, q)
             if draft:
-                with decode_weights(model), gqa_causal_attention(model):
-                    logits = forward_all(model, feed, pos, cache, None)[0]  # (q, V)
+                logits = verify_forward(model, feed, pos, cache)[0]  # (q, V)
             else:  # no draft: the plain decode step (``generate.decode_n_tokens``), last-position logits only
                 logits = forward_last(model, feed, pos, cache, None)  # (1, V)
             held += feed.shape[1]
