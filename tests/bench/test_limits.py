@@ -82,12 +82,14 @@ def test_decode_weight_bytes_reads_every_matrix_once_and_one_embedding_row(arch)
 
 
 def test_decode_weight_bytes_counts_the_compact_copy_a_linear_multiplies_with():
+    from kvrelay.models.engine import PhaseLinear
+
     lin = torch.nn.Linear(64, 32, bias=True)
-    model = torch.nn.Sequential(lin)
-    assert decode_weight_bytes(model) == (64 * 32 + 32) * 4
-    lin.register_buffer("w_c", torch.zeros(32, 64, dtype=torch.int8), persistent=False)
-    lin.register_buffer("s_c", torch.zeros(32, dtype=torch.float16), persistent=False)
-    assert decode_weight_bytes(model) == 32 * 64 + 32 * 2 + 32 * 4  # int8 rows + fp16 scales + fp32 bias
+    assert decode_weight_bytes(torch.nn.Sequential(lin)) == (64 * 32 + 32) * 4
+    int8 = torch.nn.Sequential(PhaseLinear(lin, "int8"))
+    assert decode_weight_bytes(int8) == 32 * 64 + 32 * 2 + 32 * 4  # int8 rows + bf16 scales + fp32 bias
+    fp16w = torch.nn.Sequential(PhaseLinear(lin, "fp16w"))
+    assert decode_weight_bytes(fp16w) == 32 * 64 * 2 + 32 * 4  # fp16 weights behind fbgemm's handle + fp32 bias
 
 
 def _write_gguf(path, names):

@@ -92,8 +92,8 @@ MISTAKES = [
     ("fuse-fit-method", ["fuse", "fit", "--method", "fuser"], "expected ridge"),
     ("fuse-ttft-method", ["fuse", "ttft", "--method", "fuser"], "expected ridge or layers"),
     ("engine-flag-unknown", ["relay", "--model", SMOL, "--context", "ctx.md", "--question", "Q?", "--engine", "int3"],
-     "expected one of fp32, fp32p, bf16, fp16, int8, int4, bf16+fp32, bf16+fp32p, bf16+bf16, bf16+fp16, bf16+int8, "
-     "bf16+int4, auto"),
+     "expected one of fp32, fp32p, fp16w, bf16, fp16, int8, int4, bf16+fp32, bf16+fp32p, bf16+fp16w, bf16+bf16, "
+     "bf16+fp16, bf16+int8, bf16+int4, auto"),
     ("models-info-typo", ["models", "info", "smollm-135m"], "did you mean 'smollm2-135m'?"),
     ("models-pull-unknown", ["models", "pull", "llama-70b"], "expected one of smollm2-135m"),
 ]

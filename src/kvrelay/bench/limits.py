@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kvrelay.models.engine import PhaseLinear
+
 BANDWIDTH_BYTES = 1 << 29  # 512 MiB per array: far beyond any last-level cache
 
 
@@ -100,9 +102,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     for mod in {id(m): m for m in model.modules()}.values():
         own = dict(mod.named_parameters(recurse=False))
         if isinstance(mod, torch.nn.Linear):
-            compact = [getattr(mod, n, None) for n in ("w_c", "s_c")]
-            mats = [t for t in compact if t is not None] or [mod.weight]
-            total += sum(t.numel() * t.element_size() for t in mats)
+            compact = mod.decode_bytes() if isinstance(mod, PhaseLinear) else None
+            total += mod.weight.numel() * mod.weight.element_size() if compact is None else compact
             if mod.bias is not None:
                 total += mod.bias.numel() * mod.bias.element_size()
         elif isinstance(mod, torch.nn.Embedding):

@@ -83,7 +83,7 @@ def engine_cmd(
     model: str = typer.Option("qwen2.5-coder-0.5b", help="zoo name (its GGUF is what llama.cpp reads)"),
     context_tokens: int = typer.Option(2048, min=16, help="tokens of prose the sender reads"),
     engines: str = typer.Option("fp32,int8,int4", help="comma-separated kvrelay engine modes to measure "
-                                "(fp32 | fp32p | bf16 | fp16 | int8 | int4 | bf16+DECODE | auto)"),
+                                "(fp32 | fp32p | fp16w | bf16 | fp16 | int8 | int4 | bf16+DECODE | auto)"),
     peer: str = typer.Option("llama.cpp", help=f"the peer engine: {' | '.join(PEERS)} (llama.cpp: `make peers`)"),
     gguf: Path | None = typer.Option(None, help="the GGUF for the peer (default: the zoo model's verified GGUF)"),
     vllm: bool = typer.Option(False, "--vllm/--no-vllm", help="also vLLM's CPU build in bf16 with prefix caching "

@@ -31,9 +31,10 @@ GLOBAL_FLAGS = ("--debug", "--quiet")
 QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}  # what --quiet sets (child processes inherit it)
 DEFAULT_ENGINE = "fp32"
-ENGINE_HELP = ("kernel mode: fp32 | fp32p (fp32 weights in oneDNN's blocked layout for one-token steps) | bf16 | "
-               "fp16 | int8 | int4 (fp32 prefill, compact weights for one-token decode steps), each also as "
-               "bf16+DECODE (bf16 prefill) | auto (the fastest of fp32/fp32p/bf16/int8 decode and fp32/bf16 "
+ENGINE_HELP = ("kernel mode: fp32 | fp32p (fp32 weights in oneDNN's blocked layout for one-token steps) | "
+               "fp16w (fp16 weights, fp32 arithmetic, for one-token steps) | bf16 | fp16 | int8 | int4 (fp32 "
+               "prefill, compact weights for one-token decode steps), each also as bf16+DECODE (bf16 prefill) | "
+               "auto (the fastest of the decodes that keep fp32's answers — fp32/fp32p/fp16w — and of fp32/bf16 "
                "prefill, measured once on this machine, cached under $KVRELAY_HOME). Payloads of one mode are "
                "refused by another")
 

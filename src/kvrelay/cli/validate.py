@@ -336,8 +336,8 @@ def model(name: str, flag: str = "--model") -> ModelRef:
     return ModelRef(name, "hub", None, None)
 
 
-ENGINES = ("fp32", "fp32p", "bf16", "fp16", "int8", "int4", "bf16+fp32", "bf16+fp32p", "bf16+bf16", "bf16+fp16",
-           "bf16+int8", "bf16+int4", "auto")  # models.engine.ENGINES + "auto"; tested equal
+ENGINES = ("fp32", "fp32p", "fp16w", "bf16", "fp16", "int8", "int4", "bf16+fp32", "bf16+fp32p", "bf16+fp16w",
+           "bf16+bf16", "bf16+fp16", "bf16+int8", "bf16+int4", "auto")  # models.engine.ENGINES + "auto"; tested equal
 
 
 def engine(name: str, flag: str = "--engine") -> str:

@@ -7,7 +7,7 @@ it, ``policy.features`` reads a receiver's decode precision from it).
 from __future__ import annotations
 
 PREFILLS = ("fp32", "bf16")  # precisions of multi-token (prefill) GEMMs
-DECODES = ("fp32", "fp32p", "bf16", "fp16", "int8", "int4")  # precisions of one-token calls
+DECODES = ("fp32", "fp32p", "fp16w", "bf16", "fp16", "int8", "int4")  # precisions of one-token calls
 SEP = "+"
 
 

@@ -23,7 +23,10 @@ weight with the embedding; its copies are made once.
 Decode precisions: ``fp32``, ``fp32p`` (the fp32 weights reordered once into oneDNN's blocked layout,
 ``torch.ops.mkldnn._reorder_linear_weight``, multiplied by ``torch.ops.mkldnn._linear_pointwise``: the
 same precision as ``fp32``, only the summation order differs; on the CPUs measured a plain fp32 GEMM of
-one to a few rows reads the weights well below the memory's speed, docs/engine.md), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
+one to a few rows reads the weights well below the memory's speed, docs/engine.md), ``fp16w`` (fp16 weights
+packed once for fbgemm's fp16 GEMM, ``torch.ops.quantized.linear_dynamic_fp16``: fp32 activations and fp32
+accumulation, each weight rounded to fp16 — relative error about 1e-4 — at half fp32's bytes; CPUs with
+AVX2), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
 per-row symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``,
 asymmetric int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape
 rules use int8). The mode is part of a model's identity (``ModelIdentity.engine``) and of every
@@ -49,6 +52,7 @@ INT4_GROUP = 32  # input features per int4 scale/zero pair
 _DECODE = {
     "fp32": ("fp32 weights", 4.0),
     "fp32p": ("fp32 weights in oneDNN's blocked layout", 4.0),
+    "fp16w": ("fp16 weights in fbgemm's layout (fp32 activations and accumulation)", 2.0),
     "bf16": ("bf16 weights and activations", 2.0),
     "fp16": ("fp16 weights and activations", 2.0),
     "int8": ("per-row int8 weights (bf16 activations)", 1.0),
@@ -130,6 +134,23 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
 
+def fp16w_available() -> bool:
+    """fbgemm's fp16 GEMM is built into this PyTorch and this CPU runs it (AVX2 or wider)."""
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+def _fp16_packed(w: torch.Tensor):
+    """(N, K) fp32 -> the weights rounded to fp16 and packed for fbgemm (an opaque object, N*K halves)."""
+    if not fp16w_available():
+        raise ValueError("decode precision 'fp16w' needs PyTorch's fbgemm and a CPU with AVX2 "
+                         f"(this one: {torch.backends.cpu.get_cpu_capability()}); use 'fp32p' or 'fp32' here")
+    return torch.ops.quantized.linear_prepack_fp16(w, None)
+
+
+_OPAQUE = {"fp32p": _packed, "fp16w": _fp16_packed}  # kinds whose copy is an opaque packed object
+
+
 def _int4_fits(w: torch.Tensor) -> bool:
     return w.shape[0] % 16 == 0 and w.shape[1] % INT4_GROUP == 0
 
@@ -139,8 +160,9 @@ class PhaseLinear(nn.Linear):
 
     ``weight``/``bias`` are the original parameters (shared, e.g. with a tied embedding); the copies
     live in non-persistent buffers, so ``state_dict`` and weight hashes are those of the model. The
-    ``fp32p`` copy is an opaque oneDNN tensor that cannot be copied or moved, so it is a plain attribute,
-    left out of the module's state and packed again from ``weight`` on ``copy.deepcopy``.
+    ``fp32p`` and ``fp16w`` copies are opaque packed objects (a oneDNN tensor, an fbgemm handle) that cannot
+    be copied or moved, so they are plain attributes, left out of the module's state and packed again from
+    ``weight`` on ``copy.deepcopy``.
     """
 
     def __init__(self, src: nn.Linear, kind: str, prefill: str = "fp32"):
@@ -154,9 +176,9 @@ class PhaseLinear(nn.Linear):
         self.kind, self.prefill = kind, prefill
         if kind == "fp32":
             self.act = torch.float32
-        elif kind == "fp32p":
+        elif kind in _OPAQUE:
             self.act = torch.float32
-            self.w_c = _packed(w)  # (N, K) opaque, not a buffer (class docstring)
+            self.w_c = _OPAQUE[kind](w)  # (N, K) opaque, not a buffer (class docstring)
         elif kind in ("bf16", "fp16"):
             self.act = torch.bfloat16 if kind == "bf16" else torch.float16
             self.register_buffer("w_c", w.to(self.act), persistent=False)  # (N, K)
@@ -185,6 +207,8 @@ class PhaseLinear(nn.Linear):
             return nn.functional.linear(x, self.weight)
         if self.kind == "fp32p":
             return torch.ops.mkldnn._linear_pointwise(x, self.w_c, None, "none", [], "")
+        if self.kind == "fp16w":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.w_c)
         xa = x.to(self.act)
         if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xa, self.w_c, self.s_c)
@@ -207,16 +231,23 @@ class PhaseLinear(nn.Linear):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def decode_bytes(self) -> int:
+        """Bytes of the weights (and scales) a one-token call reads, bias excluded."""
+        if self.kind == "fp16w":
+            return self.weight.numel() * 2  # an opaque fbgemm handle to N*K halves
+        mats = [t for t in (getattr(self, "w_c", None), getattr(self, "s_c", None)) if t is not None] or [self.weight]
+        return sum(t.numel() * t.element_size() for t in mats)
+
     def __getstate__(self):
         state = self.__dict__.copy()
-        if self.kind == "fp32p":
+        if self.kind in _OPAQUE:
             del state["w_c"]
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if self.kind == "fp32p":
-            self.w_c = _packed(self.weight.detach().float())
+        if self.kind in _OPAQUE:
+            self.w_c = _OPAQUE[self.kind](self.weight.detach().float())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, prefill={self.prefill}, "
@@ -274,13 +305,8 @@ def strip_engine(model: nn.Module) -> nn.Module:
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a one-token forward reads (compact copies where present, fp32 elsewhere)."""
     total = 0
-    seen: set[int] = set()
-    for mod in model.modules():
-        if isinstance(mod, PhaseLinear):
-            for t in (getattr(mod, "w_c", mod.weight), getattr(mod, "s_c", None), mod.bias):
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
+    for mod in {id(m): m for m in model.modules() if isinstance(m, PhaseLinear)}.values():
+        total += mod.decode_bytes() + (0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size())
     for name, p in model.named_parameters(remove_duplicate=True):
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if isinstance(owner, PhaseLinear) or "embed" in name:

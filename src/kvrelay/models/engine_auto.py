@@ -31,17 +31,20 @@ import torch
 
 from kvrelay.core.atomic import write_json_atomic
 from kvrelay.core.paths import home
-from kvrelay.models.engine import mode_name
+from kvrelay.models.engine import fp16w_available, mode_name
 
 AUTO_PREFILLS = ("fp32", "bf16")
-# int4 and fp16 are opt-in (their accuracy: docs/engine.md); fp32p where PyTorch has oneDNN
-AUTO_DECODES = ("fp32", *(("fp32p",) if torch.backends.mkldnn.is_available() else ()), "bf16", "int8")
+# Only decodes that keep fp32's answers: fp32p (oneDNN's layout, where PyTorch has oneDNN) and fp16w
+# (fp16 weights, fp32 arithmetic, where fbgemm runs) matched fp32 within the quick audit's noise; bf16,
+# fp16, int8 and int4 cost accuracy there and are opt-in (docs/engine.md, "Accuracy of the decodes").
+AUTO_DECODES = ("fp32", *(("fp32p",) if torch.backends.mkldnn.is_available() else ()),
+                *(("fp16w",) if fp16w_available() else ()))
 PREFILL_MARGIN = 1.2  # bf16 prefill must be at least this many times as fast as fp32
 PREFILL_TOKENS, DECODE_CONTEXT = 256, 128
 _PREFILL_RUNS, _WARMUP, _STEPS = 3, 2, 6
 GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16",
               "amx_int8")  # the CPU flags that decide which GEMM kernels oneDNN can use
-VERSION = 3  # of an entry's layout; entries of other versions are measured again
+VERSION = 4  # of an entry's layout; entries of other versions are measured again
 
 
 @dataclass(frozen=True, slots=True)
