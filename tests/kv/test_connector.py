@@ -33,6 +33,18 @@ def test_engine_continues_from_injected_blocks(tiny_by_arch, arch):
     assert continue_in_engine(lm.model, zeroed(p), q, max_new_tokens=8).tokens != want
 
 
+def test_a_prefix_filling_most_of_the_cache_is_not_prefilled_again(tiny_by_arch):
+    """With the cache sized for the request, a long injected prefix takes most pages; below the scheduler's
+    safety margin the engine would evict it and prefill the whole prompt (the same answer, counted at the
+    model's forward)."""
+    lm = tiny_by_arch["qwen2"]
+    p = Agent(lm).prefill(random_ids(800, 3))
+    q = random_ids(7, 4)
+    got = continue_in_engine(lm.model, p, q, max_new_tokens=4)
+    assert got.tokens == plain(lm.model, p, q, 4)
+    assert got.reused_tokens == 800 and got.prefilled_tokens == 7  # 50 whole pages of 16 reused
+
+
 def test_connector_refuses_what_the_engine_cannot_take(tiny_by_arch):
     g = Agent(tiny_by_arch["gemma3"]).prefill(random_ids(20, 1))
     with pytest.raises(ValueError, match="sliding-window"):

@@ -19,13 +19,17 @@ sharing matches whole pages before the prompt's last token only: the payload's l
 tokens are prefilled by the engine again. Models with sliding-window layers (gemma3) get no prefix
 sharing in 5.24 (its sliding allocator does not share blocks) and are refused, as are payloads whose
 positions are not ``0..T-1`` (partial selections): the engine numbers a request's tokens from 0
-(``InvalidInput`` says which). The connector does not check that the payload is the engine's model's:
+(``InvalidInput`` says which). Cached blocks are a bonus to the engine: when the free share of its cache
+falls under the scheduler's safety margin it evicts them — the injected prefix included — and prefills
+the whole prompt again, giving the same answer at a full prefill's cost; ``blocks_needed`` sizes the
+cache so the injected prefix leaves that margin free. The connector does not check that the payload is the engine's model's:
 callers do first (``Agent.check``), as ``bench.connector`` does.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -36,6 +40,7 @@ from kvrelay.kv.payload import KVPayload
 
 PAGE_SIZE = 16
 MAX_BATCH_TOKENS = 256
+SAFETY_MARGIN = 0.15  # transformers' FIFO scheduler default, set explicitly: the free share it keeps
 PREFIX_REQUEST = "kvrelay-prefix"
 
 
@@ -53,8 +58,8 @@ logging.getLogger("ContinuousBatchingLogger").addFilter(_QuietPersistent())
 @dataclass(frozen=True, slots=True)
 class EngineResult:
     tokens: tuple[int, ...]  # greedy tokens the engine generated (a stop token it wrote included)
-    reused_tokens: int  # payload tokens the engine took from the injected blocks (not prefilled)
-    prefilled_tokens: int  # tokens it prefilled itself (payload tail + prompt; everything without a payload)
+    reused_tokens: int  # prompt tokens the engine did not feed its model: taken from the injected blocks
+    prefilled_tokens: int  # prompt tokens it fed its model (counted at the model's forward, not assumed)
     inject_s: float = 0.0  # writing the payload's blocks into the engine's cache
     first_token_s: float = 0.0  # from submitting the request to its first generated token
 
@@ -70,13 +75,16 @@ def cb_config(page_size: int = PAGE_SIZE, num_blocks: int = 64, max_batch_tokens
     from transformers import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(allow_block_sharing=True, page_size=page_size, num_blocks=num_blocks,
-                                    max_batch_tokens=max_batch_tokens)
+                                    max_batch_tokens=max_batch_tokens, safety_margin=SAFETY_MARGIN)
 
 
-def blocks_needed(total_tokens: int, page_size: int = PAGE_SIZE) -> int:
+def blocks_needed(total_tokens: int, page_size: int = PAGE_SIZE, margin: float = SAFETY_MARGIN) -> int:
     """Pages for a request of ``total_tokens`` (prompt + new tokens) whose prefix was injected: the reused
-    whole pages, the re-prefilled tail's pages, and the injected partial page until it is freed."""
-    return -(-total_tokens // page_size) + 4
+    whole pages, the re-prefilled tail's pages and the injected partial page until it is freed, with the
+    scheduler's ``margin`` free beside the cached prefix (under it the engine evicts the prefix, module
+    docstring)."""
+    pages = -(-total_tokens // page_size) + 4
+    return math.ceil(pages / (1 - margin)) + 1
 
 
 def _check(p: KVPayload) -> None:
@@ -155,10 +163,16 @@ def continue_in_engine(model, p: KVPayload | None, prompt_ids, *, max_new_tokens
             _check(p)
         _manager(model, gen, cfg, sharing=p is not None)  # untimed: a serving engine is up before requests come
         t0 = time.perf_counter()
-        reused = inject_prefix(model, p, gen, cfg) if p is not None else 0
+        if p is not None:
+            inject_prefix(model, p, gen, cfg)
         t1 = time.perf_counter()
-        out = model.generate_batch(inputs=[prompt], generation_config=gen, continuous_batching_config=cfg,
-                                   persistent_manager=True, max_new_tokens=max_new_tokens, record_timestamps=True)
+        fed: list[int] = []  # tokens per forward the engine runs: its prefill chunks, then one per decode step
+        hook = model.register_forward_pre_hook(lambda _m, args, kw: fed.append(_tokens_fed(args, kw)), with_kwargs=True)
+        try:
+            out = model.generate_batch(inputs=[prompt], generation_config=gen, continuous_batching_config=cfg,
+                                       persistent_manager=True, max_new_tokens=max_new_tokens, record_timestamps=True)
+        finally:
+            hook.remove()
         res = next(iter(out.values()))
         if res.error is not None:
             raise RuntimeError(f"continuous batching failed: {res.error}")
@@ -167,4 +181,10 @@ def continue_in_engine(model, p: KVPayload | None, prompt_ids, *, max_new_tokens
     finally:
         if getattr(model, "_cached_continuous_batching_manager", None) is not None:
             model.destroy_cached_continuous_batching_manager()
-    return EngineResult(tokens, reused, len(prompt) - reused, t1 - t0, first)
+    prefilled = sum(fed) - max(len(tokens) - 1, 0)  # the first token comes from the prefill's last logits
+    return EngineResult(tokens, len(prompt) - prefilled, prefilled, t1 - t0, first)
+
+
+def _tokens_fed(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return int(ids.shape[-1]) if ids is not None else 0
