@@ -40,7 +40,7 @@ def _answer(lm, payload, **kw):
     return Agent(lm, "receiver").respond(PROMPT, payload, max_new_tokens=N, min_new_tokens=N, **kw)
 
 
-CASES = [("qwen2", "fp32"), ("llama", "fp32"), ("gemma3", "fp32"), ("qwen2", "int8"), ("gemma3", "int4")]
+CASES = [("qwen2", "fp32"), ("llama", "fp32"), ("gemma3", "fp32"), ("qwen2", "int8"), ("gemma3", "int4"), ("qwen2", "fp16w")]
 
 
 @pytest.mark.parametrize(("arch", "engine"), CASES)
