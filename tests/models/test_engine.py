@@ -99,6 +99,14 @@ def test_packed_decodes_keep_fp32_prefill_and_survive_copies(tiny, engine, tol, 
     assert layer.kind == engine and "w_c" not in dict(layer.named_buffers())
 
 
+def test_fp16w_refuses_weights_fp16_cannot_hold():
+    big = torch.nn.Linear(32, 16)
+    with torch.no_grad():
+        big.weight[3, 5] = 7e4  # past fp16's largest finite value: it would become inf
+    with pytest.raises(ValueError, match="does not fit fp16"):
+        PhaseLinear(big, "fp16w")
+
+
 def test_modes_share_the_fp32_weights_and_identity(tiny):
     lm = with_engine(tiny, "int8")
     assert lm.identity.engine == "int8" and tiny.identity.engine == "fp32"

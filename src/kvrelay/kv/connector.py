@@ -22,8 +22,8 @@ positions are not ``0..T-1`` (partial selections): the engine numbers a request'
 (``InvalidInput`` says which). Cached blocks are a bonus to the engine: when the free share of its cache
 falls under the scheduler's safety margin it evicts them — the injected prefix included — and prefills
 the whole prompt again, giving the same answer at a full prefill's cost; ``blocks_needed`` sizes the
-cache so the injected prefix leaves that margin free. The connector does not check that the payload is the engine's model's:
-callers do first (``Agent.check``), as ``bench.connector`` does.
+cache so the injected prefix leaves that margin free. The connector does not check that the payload is
+the engine's model's: callers do first (``Agent.check``), as ``bench.connector`` does.
 """
 
 from __future__ import annotations

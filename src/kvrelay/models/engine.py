@@ -25,8 +25,8 @@ Decode precisions: ``fp32``, ``fp32p`` (the fp32 weights reordered once into one
 same precision as ``fp32``, only the summation order differs; on the CPUs measured a plain fp32 GEMM of
 one to a few rows reads the weights well below the memory's speed, docs/engine.md), ``fp16w`` (fp16 weights
 packed once for fbgemm's fp16 GEMM, ``torch.ops.quantized.linear_dynamic_fp16``: fp32 activations and fp32
-accumulation, each weight rounded to fp16 — relative error about 1e-4 — at half fp32's bytes; CPUs with
-AVX2), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
+accumulation, each weight rounded to fp16 — a relative rounding under 2^-11 — at half fp32's bytes; CPUs
+with AVX2), ``bf16``, ``fp16``, ``int8`` (PyTorch's ``_weight_int8pack_mm``,
 per-row symmetric int8 weights, bf16 activations), ``int4`` (``_weight_int4pack_mm_for_cpu``,
 asymmetric int4 in groups of 32 along the input, bf16 activations; layers that do not fit its shape
 rules use int8). The mode is part of a model's identity (``ModelIdentity.engine``) and of every
@@ -145,6 +145,10 @@ def _fp16_packed(w: torch.Tensor):
     if not fp16w_available():
         raise ValueError("decode precision 'fp16w' needs PyTorch's fbgemm and a CPU with AVX2 "
                          f"(this one: {torch.backends.cpu.get_cpu_capability()}); use 'fp32p' or 'fp32' here")
+    big = float(w.abs().max()) if w.numel() else 0.0
+    if big > torch.finfo(torch.float16).max:
+        raise ValueError(f"decode precision 'fp16w': a weight of magnitude {big:g} does not fit fp16 "
+                         f"(at most {torch.finfo(torch.float16).max:g}); use 'fp32p' or 'fp32' for this model")
     return torch.ops.quantized.linear_prepack_fp16(w, None)
 
 
