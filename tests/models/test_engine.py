@@ -90,7 +90,8 @@ def test_packed_decodes_keep_fp32_prefill_and_survive_copies(tiny, engine, tol, 
     twin = copy.deepcopy(lm.model)
     one = [forward_last(m, torch.tensor([ids[:1]]), pos[:, :1], DynamicCache(config=m.config), None)
            for m in (tiny.model, lm.model, twin)]
-    assert 0 < (one[0] - one[1]).abs().max().item() < tol
+    drift = (one[0] - one[1]).abs().max().item()
+    assert drift < tol and (drift > 0 or engine == "fp32p")  # fp16 weights always move the logits
     assert torch.equal(one[1], one[2])
     layers = [m for m in lm.model.modules() if isinstance(m, PhaseLinear)]
     fp32_bytes = sum(m.weight.numel() * 4 for m in {id(m.weight): m for m in layers}.values())
