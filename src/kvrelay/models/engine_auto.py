@@ -36,7 +36,8 @@ from kvrelay.models.engine import fp16w_available, mode_name
 AUTO_PREFILLS = ("fp32", "bf16")
 # Only decodes that keep fp32's answers: fp32p (oneDNN's layout, where PyTorch has oneDNN) and fp16w
 # (fp16 weights, fp32 arithmetic, where fbgemm runs) matched fp32 within the quick audit's noise; bf16,
-# fp16, int8 and int4 cost accuracy there and are opt-in (docs/engine.md, "Accuracy of the decodes").
+# fp16, int8 and int4 cost accuracy there and are opt-in (docs/engine.md: "Accuracy against fp32" and the
+# accuracy paragraphs of the fp32p and fp16w sections).
 AUTO_DECODES = ("fp32", *(("fp32p",) if torch.backends.mkldnn.is_available() else ()),
                 *(("fp16w",) if fp16w_available() else ()))
 PREFILL_MARGIN = 1.2  # bf16 prefill must be at least this many times as fast as fp32
