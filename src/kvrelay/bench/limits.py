@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.models.engine import PhaseLinear
+from kvrelay.models.engine import decode_weight_bytes  # noqa: F401 (the one rule, re-exported for the benchmark)
 
 BANDWIDTH_BYTES = 1 << 29  # 512 MiB per array: far beyond any last-level cache
 
@@ -88,30 +88,7 @@ def prefill_fraction(tokens_per_s: float, flops_per_token: float, gemm_gflops: f
     return tokens_per_s * flops_per_token / (gemm_gflops * 1e9)
 
 
-# ---- weight bytes read by one decode step --------------------------------------------------------
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one one-token forward of ``model`` reads.
-
-    Every linear layer reads its weight matrix — the compact copy its engine mode multiplies one
-    token with (``w_c`` and its scales ``s_c``, see ``kvrelay.models.engine``) when it has one —
-    plus its bias; an embedding reads one row; any other parameter (norms) is read whole. A tied
-    lm-head is a linear layer of its own and is counted as one, its embedding as one row.
-    """
-    total = 0
-    for mod in {id(m): m for m in model.modules()}.values():
-        own = dict(mod.named_parameters(recurse=False))
-        if isinstance(mod, torch.nn.Linear):
-            compact = mod.decode_bytes() if isinstance(mod, PhaseLinear) else None
-            total += mod.weight.numel() * mod.weight.element_size() if compact is None else compact
-            if mod.bias is not None:
-                total += mod.bias.numel() * mod.bias.element_size()
-        elif isinstance(mod, torch.nn.Embedding):
-            total += mod.weight.shape[1] * mod.weight.element_size()
-        else:
-            total += sum(p.numel() * p.element_size() for p in own.values())
-    return total
-
+# ---- weight bytes read by one decode step (kvrelay's own: models.engine.decode_weight_bytes) ------
 
 def gguf_decode_weight_bytes(path: str | Path) -> int:
     """Bytes of tensor data a llama.cpp decode step reads from a GGUF file: every tensor, except the

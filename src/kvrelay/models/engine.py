@@ -307,15 +307,25 @@ def strip_engine(model: nn.Module) -> nn.Module:
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a one-token forward reads (compact copies where present, fp32 elsewhere)."""
+    """Bytes of weights one one-token forward of ``model`` reads.
+
+    Every linear layer reads its weight matrix — the compact copy its engine mode multiplies one
+    token with (``PhaseLinear.decode_bytes``: its compact weights and their scales) when it has one —
+    plus its bias; an embedding reads one row; any other parameter (norms) is read whole. A tied
+    lm-head is a linear layer of its own and is counted as one, its embedding as one row.
+    """
     total = 0
-    for mod in {id(m): m for m in model.modules() if isinstance(m, PhaseLinear)}.values():
-        total += mod.decode_bytes() + (0 if mod.bias is None else mod.bias.numel() * mod.bias.element_size())
-    for name, p in model.named_parameters(remove_duplicate=True):
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        if isinstance(owner, PhaseLinear) or "embed" in name:
-            continue  # compact copy counted above; an embedding reads one row per token
-        total += p.numel() * p.element_size()
+    for mod in {id(m): m for m in model.modules()}.values():
+        own = dict(mod.named_parameters(recurse=False))
+        if isinstance(mod, nn.Linear):
+            compact = mod.decode_bytes() if isinstance(mod, PhaseLinear) else None
+            total += mod.weight.numel() * mod.weight.element_size() if compact is None else compact
+            if mod.bias is not None:
+                total += mod.bias.numel() * mod.bias.element_size()
+        elif isinstance(mod, nn.Embedding):
+            total += mod.weight.shape[1] * mod.weight.element_size()
+        else:
+            total += sum(p.numel() * p.element_size() for p in own.values())
     return total
 
 
