@@ -7,8 +7,9 @@ One prefill of ``--context-tokens`` random token ids; then, per repeat and width
 new tokens over that cache, as ``models.speculative`` makes it: ``all`` returns every position's logits
 (``models.speculative.verify_forward``: the one-token weights and the grouped-query causal attention)
 and ``last`` only the last one's (``generate.forward_last``, the plain decode step when ``q`` = 1). The
-cache is cropped back after each forward. Medians of ms per forward, and each width's cost in one-token steps; a profiler's self-time shares of the widest ``all``
-forward. The 1-minute load before each repeat is recorded with its quiet/loaded label (``bench.quiet``).
+cache is cropped back after each forward. Medians of ms per forward, and each width's cost in one-token
+steps; a profiler's self-time shares of the widest ``all`` forward. The 1-minute load before each repeat
+is recorded with its quiet/loaded label (``bench.quiet``).
 """
 
 from __future__ import annotations

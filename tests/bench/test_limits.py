@@ -9,13 +9,13 @@ from kvrelay.bench.limits import (
     Geometry,
     decode_fraction,
     decode_limit_tokens_per_s,
-    decode_weight_bytes,
     gguf_decode_weight_bytes,
     measure_bandwidth,
     measure_gemm,
     prefill_flops,
     prefill_fraction,
 )
+from kvrelay.models.engine import PhaseLinear, decode_weight_bytes
 from kvrelay.models.tiny import tiny_lm
 
 # qwen2.5-coder-0.5b's config, as the zoo model loads it
@@ -82,8 +82,6 @@ def test_decode_weight_bytes_reads_every_matrix_once_and_one_embedding_row(arch)
 
 
 def test_decode_weight_bytes_counts_the_compact_copy_a_linear_multiplies_with():
-    from kvrelay.models.engine import PhaseLinear
-
     lin = torch.nn.Linear(64, 32, bias=True)
     assert decode_weight_bytes(torch.nn.Sequential(lin)) == (64 * 32 + 32) * 4
     int8 = torch.nn.Sequential(PhaseLinear(lin, "int8"))

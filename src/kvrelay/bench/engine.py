@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from kvrelay.agents.agent import Agent
-from kvrelay.bench.limits import BANDWIDTH_BYTES, Geometry, decode_weight_bytes, measure_limits
+from kvrelay.bench.limits import BANDWIDTH_BYTES, Geometry, measure_limits
 from kvrelay.bench.quiet import LoadReader, load1, require_quiet
 from kvrelay.bench.relay import QUESTION, context_ids
 from kvrelay.kv import wire
 from kvrelay.kv.codecs import Compressed, compress
+from kvrelay.models.engine import decode_weight_bytes, precisions
 from kvrelay.workflows.run import run_workflow
 from kvrelay.workflows.workloads import Workload, build_workload
 
@@ -99,7 +100,6 @@ class KvrelaySide:
                 "decode_s": relay.decode_s, "decode_tokens": len(relay.token_ids)}
 
     def raw(self, trials: list[dict], pipelines: list[dict], check: dict) -> dict:
-        from kvrelay.models.engine import precisions
         from kvrelay.models.engine_auto import cached_entry
 
         resolved = self.lm.identity.engine

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.models.engine import decode_weight_bytes  # noqa: F401 (the one rule, re-exported for the benchmark)
-
 BANDWIDTH_BYTES = 1 << 29  # 512 MiB per array: far beyond any last-level cache
 
 
@@ -88,7 +86,7 @@ def prefill_fraction(tokens_per_s: float, flops_per_token: float, gemm_gflops: f
     return tokens_per_s * flops_per_token / (gemm_gflops * 1e9)
 
 
-# ---- weight bytes read by one decode step (kvrelay's own: models.engine.decode_weight_bytes) ------
+# ---- weight bytes a llama.cpp decode step reads (kvrelay's own: models.engine.decode_weight_bytes) --
 
 def gguf_decode_weight_bytes(path: str | Path) -> int:
     """Bytes of tensor data a llama.cpp decode step reads from a GGUF file: every tensor, except the

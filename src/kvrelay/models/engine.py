@@ -316,7 +316,6 @@ def decode_weight_bytes(model: nn.Module) -> int:
     """
     total = 0
     for mod in {id(m): m for m in model.modules()}.values():
-        own = dict(mod.named_parameters(recurse=False))
         if isinstance(mod, nn.Linear):
             compact = mod.decode_bytes() if isinstance(mod, PhaseLinear) else None
             total += mod.weight.numel() * mod.weight.element_size() if compact is None else compact
@@ -325,7 +324,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
         elif isinstance(mod, nn.Embedding):
             total += mod.weight.shape[1] * mod.weight.element_size()
         else:
-            total += sum(p.numel() * p.element_size() for p in own.values())
+            total += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
     return total
 
 
