@@ -86,6 +86,7 @@ class ServeBenchConfig:
     engine: str = "fp32"
     audits: tuple[Path, ...] = ()  # the scheduler's value models (serve.scheduler.fit_value_models)
     single: bool = False  # each workflow is one plain chat request (document + question): no hand-off
+    batch: bool = False  # kvrelay's replicas answer concurrent requests together (serve.batcher)
 
     def __post_init__(self):
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -243,7 +244,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
     rows: dict[str, dict] = {}
     serve_cfg = ServeConfig(models=config.models, port=0, store="memory://bench-serve", max_tokens=config.max_tokens,
                             limit_max_tokens=max(config.max_tokens, 2048), threads=config.threads,
-                            engine=config.engine, slo_s=config.slo_s, audits=config.audits)
+                            engine=config.engine, slo_s=config.slo_s, audits=config.audits, batch=config.batch)
     wanted = [s for s in KVRELAY_STRATEGIES if s in config.strategies]
     gateway = Gateway(serve_cfg)
     with gateway as url:
@@ -322,6 +323,7 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
     return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
-            "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
+            "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
+            "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
             "slo_s": config.slo_s, "seed": config.seed, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

@@ -51,6 +51,8 @@ def bench_serve_cmd(
                                 "its question, no hand-off): the gateway's own cost against the peers"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    batch: bool = typer.Option(False, "--batch", help="kvrelay's replicas answer concurrent requests together "
+                               "(kvrelay serve --batch; engine fp32)"),
     json_path: Path = typer.Option(None, "--json", help="write the result as JSON"),
 ):
     """The scheduler against fixed routings, text hand-offs and transformers serve, on the same workflows."""
@@ -72,7 +74,7 @@ def bench_serve_cmd(
         raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
-                           engine=engine, audits=audit_dirs, single=single)
+                           engine=engine, audits=audit_dirs, single=single, batch=batch)
     res = bench_serve(cfg, progress=note,
                       checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()

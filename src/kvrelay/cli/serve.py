@@ -12,6 +12,12 @@ from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP, err_console, quiet_l
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False)
 
 
+def _phase_uniform(engine: str) -> bool:
+    from kvrelay.models.engine import mode
+
+    return mode(engine).phase_uniform
+
+
 @app.command("serve")
 def serve_cmd(
     models: str = typer.Option(..., help="comma-separated models to serve: zoo names, folders, tiny:ARCH, ..."),
@@ -19,7 +25,8 @@ def serve_cmd(
     port: int = typer.Option(8000, help="TCP port (0: any free port; the URL is printed)"),
     store: str = typer.Option(None, help="where context handles' caches live: memory://, file:///DIR or "
                               "redis://HOST:PORT/DB (default: a private redis-server for this run)"),
-    replicas: int = typer.Option(1, help="replicas per model (each answers one request at a time)"),
+    replicas: int = typer.Option(1, help="replicas per model (each answers one request at a time, or several "
+                                 "together with --batch)"),
     handle_ttl: float = typer.Option(600.0, help="seconds a context handle and its cache live"),
     max_tokens: int = typer.Option(128, help="max_tokens of a request that gives none"),
     limit_max_tokens: int = typer.Option(2048, help="the most max_tokens a request may ask for"),
@@ -35,6 +42,9 @@ def serve_cmd(
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's, one per core; with --ray: "
                                 "per actor, default 1)"),
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
+    batch: bool = typer.Option(False, "--batch", help="each replica answers concurrent requests together in "
+                               "transformers' continuous batching, relayed caches entering as prefix pages "
+                               "(engine fp32, models without sliding-window layers; docs/serve.md)"),
 ):
     """Serve models over an OpenAI-compatible API whose answers return context handles (relayed KV caches)."""
     names = v.csv(models, "--models", "qwen2.5-coder-0.5b,smollm2-135m")
@@ -45,6 +55,9 @@ def serve_cmd(
     v.positive(limit_max_tokens, "--limit-max-tokens", minimum=max_tokens)
     v.positive(threads, "--threads")
     v.engine(engine)
+    if batch and engine != "auto" and not _phase_uniform(engine):
+        raise v.InvalidInput(f"--batch with --engine {engine}", "--engine fp32: a batch of one-token decodes would "
+                             "compute with the prefill's weights in a mode that swaps them")
     if handle_ttl <= 0:
         raise v.InvalidInput(f"--handle-ttl {handle_ttl}", "a positive number of seconds")
     if slo is not None and slo <= 0:
@@ -70,5 +83,5 @@ def serve_cmd(
     config = ServeConfig(models=names, host=host, port=port, store=store, replicas=replicas,
                          handle_ttl_s=handle_ttl, max_tokens=max_tokens, limit_max_tokens=limit_max_tokens,
                          engine=engine, threads=threads, secret_file=secret_file, slo_s=slo, ray=ray,
-                         ray_address=ray_address, audits=audit_dirs)
+                         ray_address=ray_address, audits=audit_dirs, batch=batch)
     Gateway(config).run(on_ready=lambda url: err_console.print(f"kvrelay serve: {url}/v1 ({', '.join(names)})"))

@@ -117,18 +117,18 @@ def _manager(model, gen_config, cfg, *, sharing: bool = True):
     return mgr, cache
 
 
-def inject_prefix(model, p: KVPayload, gen_config, cfg) -> int:
-    """Write ``p`` into the engine's cache as cached, hashed blocks; returns the tokens a request will reuse."""
+def inject_blocks(cache, p: KVPayload) -> int:
+    """Write ``p`` into the paged ``cache`` (a running engine's ``PagedAttentionCache``, its loop paused or
+    not yet running) as cached, hashed blocks; returns the tokens a request will reuse."""
     from transformers.generation.continuous_batching.requests import RequestState
 
     _check(p)
-    _, cache = _manager(model, gen_config, cfg)
     alloc = cache.cache_allocators["full_attention"]
     ids = p.token_ids[0].tolist()
     T = len(ids)
     state = RequestState(request_id=PREFIX_REQUEST, initial_tokens=ids, max_new_tokens=1)
     if not cache.can_store_request_tokens(state, T):
-        raise InvalidInput(f"{T} tokens for an engine cache of {cfg.num_blocks} pages of {cfg.page_size}",
+        raise InvalidInput(f"{T} tokens for an engine cache of {cache.num_blocks} pages of {alloc.tokens_per_page}",
                            "more num_blocks")
     write = torch.tensor(alloc.get_write_indices(PREFIX_REQUEST, 0, T), dtype=torch.long)
     nothing = torch.tensor([], dtype=torch.long)
@@ -139,6 +139,35 @@ def inject_prefix(model, p: KVPayload, gen_config, cfg) -> int:
     alloc.mark_complete_blocks(PREFIX_REQUEST, ids, T // alloc.tokens_per_page)
     cache.free_blocks(PREFIX_REQUEST)  # the blocks stay cached under their hashes
     return (T // alloc.tokens_per_page) * alloc.tokens_per_page  # whole pages only (module docstring)
+
+
+def inject_prefix(model, p: KVPayload, gen_config, cfg) -> int:
+    """``inject_blocks`` into the model's persistent engine (started by a one-token request if there is none)."""
+    _check(p)
+    _, cache = _manager(model, gen_config, cfg)
+    return inject_blocks(cache, p)
+
+
+def cached_blocks(cache, token_ids) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The K/V the engine holds for the longest run of whole pages of ``token_ids`` still cached under their
+    hashes (a finished request's pages, or injected ones): ``(n, [(keys (1, H_kv, n, D), values), …] per
+    layer)``, ``n`` a multiple of the page size, 0 when none is cached. Read with the engine's own ``update``
+    (an empty write, then its read); the caller holds the engine's loop paused."""
+    alloc = cache.cache_allocators["full_attention"]
+    page = alloc.tokens_per_page
+    ids = list(token_ids)
+    blocks = alloc.match_prefix_blocks(ids[: len(ids) - len(ids) % page] + [0])  # every whole page, none more
+    n = len(blocks) * page
+    if not n:
+        return 0, []
+    read = torch.tensor([b * alloc.block_physical_stride + i for b in blocks for i in range(page)], dtype=torch.long)
+    nothing = torch.tensor([], dtype=torch.long)
+    empty = torch.empty(0, alloc.num_key_value_heads, alloc.head_dim, dtype=cache.dtype)
+    kv = []
+    for li in sorted(alloc.layer_indices):
+        k, v = alloc.update(empty, empty, li, read, nothing)  # (n, H, D) each
+        kv.append((k.transpose(0, 1)[None].clone(), v.transpose(0, 1)[None].clone()))
+    return n, kv
 
 
 def continue_in_engine(model, p: KVPayload | None, prompt_ids, *, max_new_tokens: int, eos_token_id=None,

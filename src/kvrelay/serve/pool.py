@@ -41,7 +41,8 @@ class Pool:
 
 
 def in_process_pool(models: Sequence[tuple[str, object]], store, secret: bytes, *, replicas: int = 1,
-                    handle_ttl_s: float = 600.0) -> Pool:
-    """A pool of ``(name, LoadedModel)`` in this process; replicas of one model share its weights."""
-    return Pool({name: tuple(Replica(name, lm, store, secret, handle_ttl_s=handle_ttl_s)
+                    handle_ttl_s: float = 600.0, batch: bool = False) -> Pool:
+    """A pool of ``(name, LoadedModel)`` in this process; replicas of one model share its weights (``batch``:
+    each replica runs its own continuous-batching engine, ``serve.batcher``)."""
+    return Pool({name: tuple(Replica(name, lm, store, secret, handle_ttl_s=handle_ttl_s, batch=batch)
                              for _ in range(replicas)) for name, lm in models})

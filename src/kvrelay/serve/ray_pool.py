@@ -30,7 +30,7 @@ class ReplicaActor:
     """One replica inside a Ray actor (wrapped with ``ray.remote`` by ``ray_pool``)."""
 
     def __init__(self, name: str, spec: ModelSpec, store_url: str, secret: bytes, handle_ttl_s: float,
-                 threads: int | None):
+                 threads: int | None, batch: bool = False):
         import torch
 
         from kvrelay.serve.replica import Replica
@@ -38,7 +38,8 @@ class ReplicaActor:
 
         if threads:
             torch.set_num_threads(threads)
-        self.replica = Replica(name, spec.load(), open_store(store_url), secret, handle_ttl_s=handle_ttl_s)
+        self.replica = Replica(name, spec.load(), open_store(store_url), secret, handle_ttl_s=handle_ttl_s,
+                               batch=batch)
 
     def info(self) -> tuple[str, int, int]:
         r = self.replica
@@ -123,7 +124,8 @@ class RayReplica:
 
 
 def ray_pool(models: Sequence[str], store_url: str, secret: bytes, *, replicas: int = 1, engine: str = "fp32",
-             handle_ttl_s: float = 600.0, threads: int | None = 1, actor_options: dict | None = None) -> Pool:
+             handle_ttl_s: float = 600.0, threads: int | None = 1, actor_options: dict | None = None,
+             batch: bool = False) -> Pool:
     """One ``ReplicaActor`` per replica of every model on the running Ray cluster (``ray.init`` first)."""
     import ray
 
@@ -133,6 +135,6 @@ def ray_pool(models: Sequence[str], store_url: str, secret: bytes, *, replicas: 
         raise RuntimeError("call ray.init(...) first (address='auto' for an existing cluster, see docs/ray.md)")
     opts = {"num_cpus": 0, "max_concurrency": MAX_IN_FLIGHT} | (actor_options or {})
     cls = ray.remote(**opts)(ReplicaActor)
-    actors = {m: [cls.remote(m, ModelSpec(m, engine), store_url, secret, handle_ttl_s, threads)
+    actors = {m: [cls.remote(m, ModelSpec(m, engine), store_url, secret, handle_ttl_s, threads, batch)
                   for _ in range(replicas)] for m in models}
     return Pool({m: tuple(RayReplica(m, a) for a in acts) for m, acts in actors.items()})

@@ -1,4 +1,6 @@
-"""One model replica: a queue of chat requests, answered one after another by one worker thread.
+"""One model replica: a queue of chat requests and one worker thread, which answers them one after another
+or — with ``batch`` — hands them to a continuous-batching engine (``serve.batcher``) that answers them
+together, each joining the running batch at the next step.
 
 A request's context is, in order, the messages of the handles it passes (``kv_context``) and then
 its own messages. The replica continues the first handle's cache when every check passes —
@@ -26,6 +28,7 @@ from kvrelay.core.errors import CorruptPayload, IncompatiblePayload, OverBudget,
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 from kvrelay.serve import handles
+from kvrelay.serve.batcher import Batcher, Finished
 from kvrelay.serve.chat import Message, answer_start_ids, conversation_ids
 from kvrelay.serve.protocol import ChatRequest, RequestError, Usage
 from kvrelay.transport.bytestore import ByteStore
@@ -88,6 +91,21 @@ class Job:
     arrived: float
 
 
+@dataclass(slots=True)
+class Running:
+    """A request the batching engine is answering (``Replica`` with ``batch``): what finishing it needs."""
+
+    job: Job
+    cache: KVPayload | None
+    ids: list[int]
+    whole: list[Message]
+    uses: list[Use]
+    started: float
+    deltas: Deltas | None
+    done: Finished | None = None
+    error: BaseException | None = None
+
+
 class Deltas:
     """The growing answer as text pieces: each piece sent once, never half a character, and together
     exactly the final text (what a streaming client concatenates)."""
@@ -112,9 +130,15 @@ class Deltas:
 
 
 class Replica:
-    """One loaded model behind a FIFO queue and one worker thread."""
+    """One loaded model behind a FIFO queue and one worker thread.
 
-    def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0):
+    ``batch``: answer concurrent requests together in transformers' continuous batching (``serve.batcher``;
+    engine mode ``fp32``, full-attention models); ``kv_tokens`` sizes its paged cache. Without it, one
+    request at a time with kvrelay's own generation loop (every engine mode).
+    """
+
+    def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0,
+                 batch: bool = False, kv_tokens: int | None = None):
         self.name = name
         self.lm = lm
         self.agent = Agent(lm, name)
@@ -125,7 +149,9 @@ class Replica:
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
         self.fingerprint = lm.identity.fingerprint
         self.params = sum(p.numel() for p in lm.model.parameters())
-        self._q: queue.Queue[Job | None] = queue.Queue()
+        self.batcher = (Batcher(lm, name, self.agent.stop_ids, **({"kv_tokens": kv_tokens} if kv_tokens else {}))
+                        if batch else None)
+        self._q: queue.Queue[Job | Running | None] = queue.Queue()
         self._busy = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=f"replica-{name}", daemon=True)
@@ -148,29 +174,106 @@ class Replica:
         return fut
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish what is queued, then stop the worker."""
+        """Finish what is queued (and, batching, what is running), then stop the worker."""
         self._q.put(None)
         self._thread.join(timeout)
+        if self.batcher is not None:
+            self.batcher.close()
 
     def _work(self) -> None:
+        closing = False
         while True:
-            job = self._q.get()
-            if job is None:
-                return
-            with self._lock:
-                self._busy = 1
-            try:
-                if job.future.set_running_or_notify_cancel():
-                    res = self.answer(job.req, job.opened, job.on_text, arrived=job.arrived)
-                    job.future.set_result(res)
-                    for observe in self.observers:
-                        observe(self.name, res)
-            except BaseException as err:  # the caller sees every failure
-                if not job.future.done():
-                    job.future.set_exception(err)
-            finally:
+            item = self._q.get()
+            if item is None:
+                closing = True
+            elif isinstance(item, Running):
+                self._finish(item)
+            elif self.batcher is not None:
+                self._start(item)
+            else:
                 with self._lock:
-                    self._busy = 0
+                    self._busy = 1
+                try:
+                    if item.future.set_running_or_notify_cancel():
+                        self._deliver(item, self.answer(item.req, item.opened, item.on_text, arrived=item.arrived))
+                except BaseException as err:  # the caller sees every failure
+                    if not item.future.done():
+                        item.future.set_exception(err)
+                finally:
+                    with self._lock:
+                        self._busy = 0
+            if closing:
+                with self._lock:
+                    if self._busy == 0:
+                        return
+
+    def _deliver(self, job: Job, res: Result) -> None:
+        job.future.set_result(res)
+        for observe in self.observers:
+            observe(self.name, res)
+
+    # -- batching: a request starts in the engine, and finishes here when the engine is done -----
+    def _start(self, job: Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            t0 = time.perf_counter()
+            cache, ids, whole, uses = self.plan(job.req, job.opened)
+            deltas = Deltas(self.agent, job.on_text) if job.on_text is not None else None
+            run = Running(job, cache, ids, whole, uses, t0, deltas)
+            fut = self.batcher.submit(cache, ids, job.req.max_tokens,
+                                      deltas.push if deltas is not None else None, submitted=t0)
+        except BaseException as err:
+            job.future.set_exception(err)
+            return
+        with self._lock:
+            self._busy += 1
+
+        def ended(f: Future) -> None:  # on the engine's router thread: finishing needs the model, so queue it
+            run.done, run.error = (None, f.exception()) if f.exception() is not None else (f.result(), None)
+            self._q.put(run)
+
+        fut.add_done_callback(ended)
+
+    def _finish(self, run: Running) -> None:
+        job = run.job
+        try:
+            if run.error is not None:
+                raise run.error
+            done = run.done
+            gen = list(done.tokens)
+            if gen and gen[-1] in self.agent.stop_ids:
+                gen = gen[:-1]
+            text = self.agent.decode(gen)
+            if run.deltas is not None:
+                run.deltas.finish(text)
+            handle, handle_error = None, ""
+            if job.req.kv_handle and self.store is not None:
+                try:
+                    handle = self._put_handle(self._turn_payload_batched(run.whole + [Message("assistant", text)]),
+                                              run.whole + [Message("assistant", text)])
+                except OverBudget as e:
+                    handle_error = f"OverBudget: {e}"
+            held = run.cache.num_tokens if run.cache is not None else 0
+            t1 = time.perf_counter()
+            finish = "length" if len(gen) >= job.req.max_tokens else "stop"
+            self._deliver(job, Result(text, tuple(gen), finish, Usage(held + len(run.ids), len(gen), held),
+                                      tuple(run.uses), handle, run.started - job.arrived,
+                                      done.first_token - job.arrived, done.first_token - run.started,
+                                      done.done - done.first_token, t1 - job.arrived, handle_error))
+        except BaseException as err:
+            if not job.future.done():
+                job.future.set_exception(err)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _turn_payload_batched(self, messages: list[Message]) -> KVPayload:
+        """The turn's cache from the pages the engine still holds, the rest prefilled (``Batcher.turn_cache``)."""
+        def extend(head: KVPayload | None, rest: list[int]) -> KVPayload:
+            return self.agent.extend(head, rest) if head is not None else self.agent.prefill(rest)
+
+        return self.batcher.turn_cache(conversation_ids(self.agent, messages), extend, self.agent.meta())
 
     # -- one request ---------------------------------------------------------------------------
     def _cache_for(self, o: handles.Opened) -> tuple[KVPayload | None, str]:
@@ -249,7 +352,8 @@ class Replica:
         handle, handle_error = None, ""
         if want:
             try:
-                handle = self._store_turn(r.payload, whole + [Message("assistant", r.text)])
+                turn = whole + [Message("assistant", r.text)]
+                handle = self._put_handle(self._turn_payload(r.payload, turn), turn)
             except OverBudget as e:  # the answer stands; the client continues by sending the text
                 handle_error = f"OverBudget: {e}"
         finish = "length" if len(r.token_ids) >= req.max_tokens else "stop"
@@ -259,8 +363,8 @@ class Replica:
                       handle, t0 - arrived, (first[0] if first else t1) - arrived, r.ttft_s, r.decode_s, t1 - arrived,
                       handle_error)
 
-    def _store_turn(self, p: KVPayload, messages: list[Message]) -> str:
-        """Store the turn's cache holding exactly ``messages`` as this model tokenizes them; return its handle.
+    def _turn_payload(self, p: KVPayload, messages: list[Message]) -> KVPayload:
+        """The turn's cache holding exactly ``messages`` as this model tokenizes them.
 
         The generated tokens are what the model wrote; a client re-sending the answer as text gets it
         re-tokenized, which may split differently. The cache is cut where the two first differ and the
@@ -276,6 +380,10 @@ class Replica:
                 p = None
             if p is None:
                 p = self.agent.prefill(want)
+        return p
+
+    def _put_handle(self, p: KVPayload, messages: list[Message]) -> str:
+        """Store the turn's cache ``p`` (holding ``messages``); return its signed handle."""
         key = put_payload(self.store, p, ttl_s=self.handle_ttl_s)
         h = handles.Handle(key, self.name, self.lm.identity.fingerprint, time.time() + self.handle_ttl_s,
                            tuple(messages))

@@ -44,6 +44,7 @@ class ServeConfig:
     audits: tuple[Path, ...] = ()  # kvrelay audit folders: the scheduler's value model per audited model
     ray: bool = False  # one Ray actor per replica (serve.ray_pool) instead of threads in this process
     ray_address: str | None = None  # an existing cluster ("auto", "ray://HOST:10001"); None: a local one
+    batch: bool = False  # replicas answer concurrent requests together (serve.batcher; engine fp32)
 
     def __post_init__(self):
         if not self.models:
@@ -76,7 +77,7 @@ def load_pool(config: ServeConfig, store, secret: bytes) -> Pool:
         from kvrelay.serve.ray_pool import ray_pool
 
         return ray_pool(config.models, store.url, secret, replicas=config.replicas, engine=config.engine,
-                        handle_ttl_s=config.handle_ttl_s, threads=config.threads or 1)
+                        handle_ttl_s=config.handle_ttl_s, threads=config.threads or 1, batch=config.batch)
     import torch
 
     from kvrelay.models.loader import load_model
@@ -84,7 +85,8 @@ def load_pool(config: ServeConfig, store, secret: bytes) -> Pool:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     models = [(name, load_model(name, engine=config.engine)) for name in config.models]
-    return in_process_pool(models, store, secret, replicas=config.replicas, handle_ttl_s=config.handle_ttl_s)
+    return in_process_pool(models, store, secret, replicas=config.replicas, handle_ttl_s=config.handle_ttl_s,
+                           batch=config.batch)
 
 
 class Gateway:
