@@ -117,6 +117,23 @@ def test_the_turn_cache_read_back_from_pages_matches_kvrelays_own(replicas):
         torch.testing.assert_close(vb, vf, rtol=1e-4, atol=1e-5)
 
 
+def test_a_repeated_prompt_takes_the_pages_of_the_first_until_they_are_dropped(replicas):
+    b, lm = replicas["batched"], replicas["lm"]
+    req = ChatRequest(MODEL, question(5, 4).messages, max_tokens=4, kv_handle=False)
+    b.batcher.drop_cached_pages()
+    with Fed(lm.model) as cold:
+        first = b.submit(req, []).result(60)
+    with Fed(lm.model) as warm:
+        again = b.submit(req, []).result(60)
+    assert b.batcher.drop_cached_pages() > 0
+    with Fed(lm.model) as dropped:
+        third = b.submit(req, []).result(60)
+    assert first.token_ids == again.token_ids == third.token_ids
+    prompt = first.usage.prompt_tokens
+    assert cold.calls[0] == prompt and dropped.calls[0] == prompt  # the whole prompt read
+    assert warm.calls[0] == prompt - (prompt - 1) // 16 * 16  # whole pages before its last token reused
+
+
 def test_batching_refuses_what_it_cannot_answer_as_alone(tiny_by_arch):
     from kvrelay.models.loader import with_engine
     from kvrelay.models.tiny import tiny_lm

@@ -28,7 +28,12 @@ Strategies (``STRATEGIES``), all on the same tasks:
   optional environment exists (``bench.peer_servers.vllm_python``); their rows record vLLM's
   prefix-cache hit rate over the strategy (``prefix_cache_hit_rate``, from its ``/metrics``).
 
-Per strategy: p50 / p99 end-to-end workflow latency, throughput (requests per second of the
+Before the timed workflows each server answers one untimed workflow on another task (``warm_up``): through
+every model of kvrelay's pool, and through each peer before its strategies, so no strategy pays a cold
+engine's first requests (kernel set-up, cache allocation) for the others. With ``batch``, the pages
+kvrelay's replicas keep for prefix sharing are dropped before each strategy (``Batcher.drop_cached_pages``),
+so none reuses the documents an earlier strategy read; a peer starts with an empty cache. Per strategy: p50 / p99
+end-to-end workflow latency, throughput (requests per second of the
 strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap.bca_ci``), and
 the 1-minute load average before and after. ``scheduler_dominated`` is true when another strategy
 that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md).
@@ -71,6 +76,8 @@ TURNS = ("Summarize the document above in one sentence.",
          "Which holders does the document give an access code for? Name two.")
 PROMPTS = ("conversation", "roles")  # how text hand-offs are written (``text_messages``)
 
+
+WARM_UP_SEED = 1000  # the warm-up workflow's task seed: config.seed + this
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
@@ -185,6 +192,15 @@ def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = Fa
             "steps": steps}
 
 
+def warm_up(route: Route, config: ServeBenchConfig) -> None:
+    """One untimed workflow through ``route`` on a task of another seed (no timed task's document)."""
+    import httpx
+
+    task = generate(1, config.seed + WARM_UP_SEED, doc_tokens=config.doc_tokens)[0]
+    with httpx.Client(timeout=None) as client:
+        run_one(client, route, task, config.max_tokens, config.single)
+
+
 def run_strategy(route: Route, tasks: Sequence[Task], clients: int, max_tokens: int,
                  single: bool = False) -> tuple[list[dict], float]:
     import httpx
@@ -261,7 +277,14 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
         routes = {"scheduler": Route(url, lambda: "auto", True, config.slo_s), "round_robin": Route(url, rr, True),
                   "always_smallest": Route(url, lambda: small, True), "always_largest": Route(url, lambda: large, True),
                   "always_text": Route(url, lambda: large, False)}
+        if wanted:
+            progress("warming up: one untimed workflow per model")
+            for m in pool.models:
+                warm_up(Route(url, lambda m=m: m, True), config)
         for name in wanted:
+            for r in pool.all():  # with --batch, no strategy may take pages an earlier one left cached
+                if getattr(r, "batcher", None) is not None:
+                    r.batcher.drop_cached_pages()
             progress(f"{name}: {config.workflows} workflows, {config.clients} clients")
             before = load1()
             records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens, config.single)
@@ -302,6 +325,7 @@ def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequenc
     vllm = name.startswith("vllm")
     served = large if vllm else str(folder)  # transformers serve answers to the folder it loaded
     route = Route(url, lambda: served, False, extensions=False, prompts="roles" if name == "vllm" else "conversation")
+    warm_up(route, config)
     counts = prefix_cache_counts(httpx.get(url + "/metrics", timeout=10).text) if vllm else None
     before = load1()
     records, wall = run_strategy(route, tasks, config.clients, config.max_tokens, config.single)
@@ -325,5 +349,5 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
             "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
-            "slo_s": config.slo_s, "seed": config.seed, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
+            "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

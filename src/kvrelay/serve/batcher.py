@@ -161,6 +161,14 @@ class Batcher:
                 head = KVPayload(keys, values, t, torch.arange(n)[None], torch.ones_like(t, dtype=torch.bool), meta)
             return extend(head, ids[n:]) if n < len(ids) else head
 
+    def drop_cached_pages(self) -> int:
+        """Evict every page kept only for prefix sharing (none a running request holds); returns how many
+        were cached. A benchmark calls it between strategies so that none reuses another's pages."""
+        with self.mgr.pause():
+            n = sum(len(a.ledger.cached_blocks) for a in self.cache.cache_allocators.values())
+            self.cache.evict_cached_blocks()
+        return n
+
     def with_model(self):
         """A context in which the caller may run the model itself (the engine's loop paused)."""
         return self.mgr.pause()
