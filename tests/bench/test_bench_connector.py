@@ -8,7 +8,15 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from kvrelay.bench.connector import LMCACHE_VLLM, MODES, ROW_FIELDS, Setup, bench_connector, report
+from kvrelay.bench.connector import (
+    LMCACHE_VLLM,
+    MODES,
+    PEER_MODES,
+    ROW_FIELDS,
+    Setup,
+    bench_connector,
+    report,
+)
 from kvrelay.cli.app import app
 
 
@@ -32,7 +40,7 @@ def test_every_receiver_writes_the_text_answer_and_the_engine_reuses_whole_pages
     assert by["continuous_batching"]["prefilled_tokens"] + by["continuous_batching"]["reused_tokens"] == \
         by["text"]["prefilled_tokens"] == by["continuous_batching_text"]["prefilled_tokens"]
     assert by["dynamic_cache"]["reused_tokens"] == T
-    assert set(res["unavailable"]) == {LMCACHE_VLLM} and res["unavailable"][LMCACHE_VLLM]
+    assert set(res["unavailable"]) == set(PEER_MODES) and all(res["unavailable"].values())  # not asked for
     assert res["load_average"]["status"] == "quiet" and len(res["load_average"]["load1"]) == 1 + 2 + 1
 
 
@@ -61,3 +69,21 @@ def test_bench_connector_mistakes_stop_before_a_model_loads():
     assert r.exit_code == 2 and "--context-tokens 8 is too small" in r.output
     r = CliRunner().invoke(app, ["bench", "connector", "--model", "no-such-model-xyz"])
     assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_lmcache_is_refused_before_a_model_loads_where_vllm_cannot_load_it():
+    r = CliRunner().invoke(app, ["bench", "connector", "--model", "tiny:llama", "--lmcache"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "--lmcache" in r.output  # no folder of weights for vLLM (or no LMCache at all)
+
+
+def test_vllm_with_lmcache_is_started_with_its_connector_and_no_prefix_cache_of_its_own(tmp_path):
+    from kvrelay.bench.peer_servers import lmcache_server, vllm_lmcache_serve
+
+    cmd = vllm_lmcache_serve(tmp_path, "m", 2, 5599)
+    argv = cmd.resolved(8123)
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "LMCacheMPConnector" and cfg["kv_connector_extra_config"]["lmcache.mp.port"] == 5599
+    assert "--no-enable-prefix-caching" in argv and argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[argv.index("--model") + 1] == str(tmp_path)  # the name LMCache keys chunks by
+    server = lmcache_server(5599)
+    assert server.ready_path == "/healthcheck" and "5599" in server.resolved(8124)

@@ -13,6 +13,7 @@ goes to a temporary file, not a pipe: a chatty server blocks once a pipe nobody 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -43,6 +44,7 @@ class PeerCommand:
     name: str
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    ready_path: str = "/v1/models"  # answers 200 once the server is up
 
     def resolved(self, port: int) -> list[str]:
         return [a.replace("{port}", str(port)) for a in self.argv]
@@ -79,7 +81,7 @@ class PeerServer:
                 self.__exit__()
                 raise PeerUnavailable(f"{self.command.name} exited {self.proc.returncode}: {tail}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.command.ready_path, timeout=2).status_code == 200:
                     return self.url
             except httpx.HTTPError:
                 pass
@@ -144,6 +146,42 @@ def vllm_serve(folder: Path, name: str, threads: int | None, python: Path | None
                                 "--served-model-name", name, "--dtype", "bfloat16", "--max-model-len",
                                 str(VLLM_MAX_MODEL_LEN), "--enable-prefix-caching", "--host", "127.0.0.1",
                                 "--port", "{port}"), env)
+
+
+def lmcache_available(python: Path | None = None) -> str | None:
+    """None when vLLM's environment also has LMCache (its ``lmcache`` command); otherwise why not."""
+    missing = vllm_available(python)
+    if missing:
+        return missing
+    if not (python or vllm_python()).with_name("lmcache").exists():
+        return ("LMCache is an optional peer in vLLM's environment (make peers-vllm installs it); no lmcache "
+                f"command beside {python or vllm_python()}")
+    return None
+
+
+def lmcache_server(zmq_port: int, python: Path | None = None) -> PeerCommand:
+    """LMCache's multiprocess cache server (ZMQ on ``zmq_port``; ready when its HTTP ``/healthcheck`` answers)."""
+    exe = (python or vllm_python()).with_name("lmcache")
+    return PeerCommand("LMCache", (str(exe), "server", "--host", "127.0.0.1", "--port", str(zmq_port),
+                                   "--http-host", "127.0.0.1", "--http-port", "{port}", "--chunk-size", "256",
+                                   "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode",
+                                   "auto", "--disable-observability"), {}, "/healthcheck")
+
+
+def vllm_lmcache_serve(folder: Path, name: str, threads: int | None, zmq_port: int,
+                       python: Path | None = None) -> PeerCommand:
+    """vLLM's OpenAI server on ``folder`` in fp32 with LMCache's multiprocess connector to ``zmq_port`` and
+    no prefix cache of its own (every reuse is LMCache's)."""
+    n = threads or os.cpu_count() or 1
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+           "OMP_NUM_THREADS": str(n)}
+    connector = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": zmq_port}}
+    return PeerCommand("vLLM+LMCache", (str(python or vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+                                        "--model", str(folder), "--served-model-name", name, "--dtype", "float32",
+                                        "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--no-enable-prefix-caching",
+                                        "--kv-transfer-config", json.dumps(connector), "--host", "127.0.0.1",
+                                        "--port", "{port}"), env)
 
 
 def prefix_cache_counts(metrics_text: str) -> dict[str, float]:

@@ -28,6 +28,11 @@ def print_report(res: dict) -> None:
     console.print(t)
     for name, why in res["unavailable"].items():
         console.print(f"[yellow]not connected:[/yellow] {name}: {why}")
+    imp = res.get("lmcache_import")
+    if imp:
+        console.print(f"chunks vLLM stored, read back: {imp['tokens']} tokens, largest difference from the sender's "
+                      f"K/V {imp.get('max_abs_diff', float('nan')):.2g}, kvrelay's answer from them equal to re-reading: "
+                      f"{imp.get('answer_equal_to_text')}")
 
 
 @app.command("connector")
@@ -42,6 +47,9 @@ def connector_cmd(
     allow_load: bool = typer.Option(False, "--allow-load", help="keep figures from a busy machine (1-minute load "
                                     "above the threads + 0.5), labelled loaded; without it such a run stops"),
     json_path: Path | None = typer.Option(None, "--json", help="write the result as JSON"),
+    lmcache: bool = typer.Option(False, "--lmcache", help="also the payload stored as LMCache chunks and vLLM's "
+                                 "CPU build answering from them, beside vLLM re-reading (needs make peers-vllm and "
+                                 "a zoo model's folder; starts LMCache's server and vLLM, minutes)"),
 ):
     """Receiver TTFT and greedy answer from re-reading the text, the payload through DynamicCache, the payload
     as prefix blocks of transformers' continuous batching, and that engine re-reading; every answer is
@@ -60,12 +68,29 @@ def connector_cmd(
     ref = v.model(model)
     v.fits(ref, context_tokens, "--context-tokens", reserve=new_tokens + 64)
 
+    from contextlib import nullcontext
+
     from kvrelay.bench.connector import Setup, bench_connector, report
 
+    folder = None
+    if lmcache:
+        from kvrelay.bench.peer_servers import lmcache_available, model_folder
+
+        missing = lmcache_available()
+        folder = model_folder(model)
+        if missing or folder is None:
+            raise v.InvalidInput(f"--lmcache with {model}", missing or "a zoo model pulled into the cache "
+                                 "(kvrelay models pull NAME): vLLM loads its folder")
     threads = threads or os.cpu_count() or 1
     lm = load_for_cli(model, threads)
-    raw = bench_connector(lm, Setup(context_tokens, new_tokens, repeats, page_size, max_batch_tokens),
-                          allow_load=allow_load, progress=note)
+    if lmcache:
+        from kvrelay.bench.peers.lmcache_vllm import LmcacheVllm
+
+        note("starting LMCache's cache server and vLLM with its connector (minutes)")
+        peer = LmcacheVllm(folder, model, threads, lm.identity)
+    with peer if lmcache else nullcontext() as running:
+        raw = bench_connector(lm, Setup(context_tokens, new_tokens, repeats, page_size, max_batch_tokens),
+                              allow_load=allow_load, progress=note, lmcache=running)
     import torch
 
     res = report(raw, model=model, command=command_line(), decode=lm.tokenizer.decode,

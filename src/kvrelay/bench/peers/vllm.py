@@ -22,16 +22,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvrelay.bench.peer_servers import PeerServer, vllm_serve
+from kvrelay.bench.peer_servers import PeerCommand, PeerServer, vllm_serve
 from kvrelay.core.errors import PeerUnavailable
 
 
 class VllmPeer:
     """One vLLM server for the block: ``with VllmPeer(folder, name, threads) as peer: peer.trial(...)``."""
 
-    def __init__(self, folder: Path, name: str, threads: int | None):
+    def __init__(self, folder: Path, name: str, threads: int | None, command: PeerCommand | None = None):
         self.name = name
-        self.server = PeerServer(vllm_serve(folder, name, threads, dev=True))
+        self.server = PeerServer(command or vllm_serve(folder, name, threads, dev=True))
         self.url = ""
         self.ready_s = 0.0
         self.version = ""
