@@ -128,6 +128,8 @@ RUNS = [
 NOT_RUN = {
     ("bench", "pipeline", "--backend"): "ray: tests/transport/test_ray.py; process: tests/cli/test_pipeline_backends.py",
     ("bench", "pipeline", "--ray-address"): "needs an existing Ray cluster",
+    ("bench", "connector", "--lmcache"): "needs vLLM's environment (make peers-vllm) and minutes to start it; "
+                                         "refusal and peer commands: tests/bench/test_bench_connector.py",
     ("respond", "--key"): "the key is printed by `read --store` at run time: tests/cli/test_payload_cli.py",
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("respond", "--max-bytes"): "a receiver byte budget, refused and admitted: tests/cli/test_payload_cli.py",
