@@ -204,7 +204,7 @@ def bench_connector(lm, setup: Setup = Setup(), *, allow_load: bool = False, loa
     return {"context_tokens": len(ids), "new_tokens": setup.new_tokens, "repeats": setup.repeats,
             "page_size": setup.page_size, "max_batch_tokens": setup.max_batch_tokens, "question": setup.question,
             "payload_bytes": len(blob), "threads": threads, "load1": loads, "allow_load": allow_load,
-            "unavailable": unavailable, "runs": runs} | ({"lmcache_import": imported} if imported else {})
+            "unavailable": unavailable, "runs": runs, "lmcache_import": imported}
 
 
 def rows(raw: dict, decode: Callable[[list[int]], str]) -> list[dict]:
@@ -233,5 +233,5 @@ def report(raw: dict, *, model: str, command: str, decode: Callable[[list[int]],
             "page_size": raw["page_size"], "max_batch_tokens": raw["max_batch_tokens"],
             "question": raw["question"], "payload_bytes": raw["payload_bytes"],
             "load_average": {"load1": raw["load1"], **load_status(raw["load1"], raw["threads"])},
-            "machine": extra or {}, "rows": rows(raw, decode), "unavailable": raw["unavailable"], "raw": raw} | (
-                {"lmcache_import": raw["lmcache_import"]} if "lmcache_import" in raw else {})
+            "machine": extra or {}, "rows": rows(raw, decode), "unavailable": raw["unavailable"], "raw": raw,
+            "lmcache_import": raw.get("lmcache_import")}
