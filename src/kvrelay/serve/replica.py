@@ -249,9 +249,9 @@ class Replica:
                 run.deltas.finish(text)
             handle, handle_error = None, ""
             if job.req.kv_handle and self.store is not None:
+                turn = run.whole + [Message("assistant", text)]
                 try:
-                    handle = self._put_handle(self._turn_payload_batched(run.whole + [Message("assistant", text)]),
-                                              run.whole + [Message("assistant", text)])
+                    handle = self._put_handle(self._turn_payload_batched(turn), turn)
                 except OverBudget as e:
                     handle_error = f"OverBudget: {e}"
             held = run.cache.num_tokens if run.cache is not None else 0
