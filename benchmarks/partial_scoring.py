@@ -9,7 +9,8 @@ receiver's prompt is run once over the sender's cache (``evict.attention_probe``
 answers from the partial payload each variant selects from those same attention rows at ``--budget``
 of the positions; ``full`` is the whole payload. A variant is (``window``: score by the last N prompt
 tokens only, or all; ``pool``: max-pool the scores over that many neighbouring slots; ``mode``:
-per (layer, KV head) or per layer). Per variant: accuracy in points, the paired difference against
+per (layer, KV head) or per layer; ``lookahead``: score by the sender's own first N answer tokens instead,
+``evict.answer_probe``). Per variant: accuracy in points, the paired difference against
 ``full`` with its BCa CI, and the share of tasks where the receiver's answer equals full relay's.
 Nothing is timed.
 """
@@ -34,10 +35,15 @@ ROUND2 = [  # around the first round's best, on other tasks (``--offset``)
     (None, 7, "layerwise"), (16, 7, "layerwise"), (24, 7, "layerwise"), (16, 11, "layerwise"),
     (None, 11, "layerwise"), (16, 7, "headwise"), (None, 15, "layerwise"), (16, 15, "layerwise"),
 ]
+ROUND3 = [  # (window, pool, mode, lookahead): scoring by the sender's own first answer tokens
+    (None, 7, "headwise", 0), (None, 7, "headwise", 4), (None, 3, "headwise", 4), (None, 7, "headwise", 8),
+    (None, 3, "headwise", 8), (None, 5, "headwise", 8), (None, 3, "headwise", 12), (None, 3, "layerwise", 8),
+]
+ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3}
 
 
-def name(window, pool, mode) -> str:
-    return f"window={window or 'all'},pool={pool},{mode}"
+def name(window, pool, mode, lookahead=0) -> str:
+    return f"window={window or 'all'},pool={pool},{mode}" + (f",lookahead={lookahead}" if lookahead else "")
 
 
 def main(argv=None) -> int:
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="squad,gen_easy")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--offset", type=int, default=0, help="skip the first N tasks of each set (held-out choice)")
-    ap.add_argument("--round", type=int, choices=(1, 2), default=1, help="which list of variants")
+    ap.add_argument("--round", type=int, choices=(1, 2, 3), default=1, help="which list of variants")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -59,7 +65,7 @@ def main(argv=None) -> int:
     from kvrelay.audit.runner import RECEIVER_ROLE, SENDER_ROLE
     from kvrelay.audit.tasks import load_tasks
     from kvrelay.audit.tasks.scoring import score
-    from kvrelay.kv.evict import attention_probe
+    from kvrelay.kv.evict import answer_probe, attention_probe
     from kvrelay.kv.partial import Budget
     from kvrelay.models.loader import load_model
 
@@ -67,19 +73,21 @@ def main(argv=None) -> int:
     sender = Agent(lm, "sender", SENDER_ROLE)
     receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=a.max_new_tokens)
     tasks = [t for s in a.tasks.split(",") for t in load_tasks(s, a.offset + a.limit)[a.offset:]]
-    variants = VARIANTS if a.round == 1 else ROUND2
+    variants = [(*v, 0)[:4] for v in ROUNDS[a.round]]
     rows: dict[str, list[float]] = {"full": []}
     same: dict[str, list[bool]] = {}
     for task in tqdm(tasks, desc="partial scoring"):
         payload = sender.read(task.context)
         full = receiver.respond(task.prompt, payload)
         rows["full"].append(score(task, full.text))
-        probe = attention_probe(sender.model, payload, receiver.prompt_ids(task.prompt))
-        for w, pool, mode in variants:
-            o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
-                              window=w, pool=pool, mode=mode)
-            rows.setdefault(name(w, pool, mode), []).append(score(task, o.response.text))
-            same.setdefault(name(w, pool, mode), []).append(o.response.token_ids == full.token_ids)
+        question = receiver.prompt_ids(task.prompt)
+        probes = {n: answer_probe(sender.model, payload, question, n) if n else
+                  attention_probe(sender.model, payload, question) for n in {v[3] for v in variants}}
+        for w, pool, mode, n in variants:
+            o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probes[n],
+                              window=w, pool=pool, mode=mode, lookahead=n)
+            rows.setdefault(name(w, pool, mode, n), []).append(score(task, o.response.text))
+            same.setdefault(name(w, pool, mode, n), []).append(o.response.token_ids == full.token_ids)
     base = np.array(rows["full"])
     out = []
     for k, xs in rows.items():

@@ -75,12 +75,12 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     r2 = CliRunner().invoke(app, argv)  # resumed: nothing rerun, same rows
     assert r2.exit_code == 0 and rec.read_text().splitlines() == lines
     assert json.loads(out.read_text())["rows"] == d["rows"]
-    assert {"window", "pool"} <= set(d["setup"])
-    r3 = CliRunner().invoke(app, [*argv, "--pool", "3", "--window", "0"])  # other scoring: its own trials
+    assert {"window", "pool", "lookahead"} <= set(d["setup"])
+    r3 = CliRunner().invoke(app, [*argv, "--pool", "5", "--lookahead", "0"])  # other scoring: its own trials
     assert r3.exit_code == 0, r3.output
     again = rec.read_text().splitlines()
     assert again[: len(lines)] == lines and len(again) == 2 * len(lines)
-    assert json.loads(out.read_text())["setup"] | {"pool": 3, "window": None} == json.loads(out.read_text())["setup"]
+    assert json.loads(out.read_text())["setup"] | {"pool": 5, "lookahead": 0} == json.loads(out.read_text())["setup"]
 
 
 def test_bench_partial_mistakes(tmp_path):
@@ -90,3 +90,5 @@ def test_bench_partial_mistakes(tmp_path):
     assert r.exit_code == 2 and "full among the methods" in r.output
     r = CliRunner().invoke(app, ["bench", "partial", "--model", "tiny:qwen2", "--pool", "4"])
     assert r.exit_code == 2 and "--pool an odd number" in r.output
+    r = CliRunner().invoke(app, ["bench", "partial", "--model", "tiny:qwen2", "--lookahead", "-1"])
+    assert r.exit_code == 2 and "--lookahead 0 (score by the prompt) or a positive count" in r.output

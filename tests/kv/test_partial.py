@@ -7,6 +7,8 @@ positions (per layer and KV head), the context itself being computed over everyt
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,8 +152,10 @@ def test_request_wire_round_trip_and_refusals():
         PartialRequest((1,), Budget(top_k=3), encoding="evict:0.2+int8")
     w = PartialRequest((5, 6, 7), Budget(fraction=0.25), window=2, pool=7)
     assert PartialRequest.from_bytes(w.to_bytes()) == w
-    for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}):
-        with pytest.raises(InvalidInput, match="window|pool"):
+    la = PartialRequest((5, 6, 7), Budget(fraction=0.25), lookahead=8)
+    assert PartialRequest.from_bytes(la.to_bytes()) == la
+    for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0}):
+        with pytest.raises(InvalidInput, match="window|pool|lookahead"):
             PartialRequest((1,), Budget(top_k=3), **bad)
 
 
@@ -183,10 +187,36 @@ def test_a_pooled_window_changes_what_is_kept(cases):
     """The request's window and pool reach the selection (the same probe, other kept slots)."""
     lm, sender, receiver, p = cases["llama"]
     question = receiver.prompt_ids("what is the code")
-    plain = select(p, PartialRequest(tuple(question), Budget(fraction=0.6)), model=lm.model)
-    pooled = select(p, PartialRequest(tuple(question), Budget(fraction=0.6), window=2, pool=5), model=lm.model)
+    plain = select(p, PartialRequest(tuple(question), Budget(fraction=0.6), lookahead=0, pool=1), model=lm.model)
+    pooled = select(p, PartialRequest(tuple(question), Budget(fraction=0.6), window=2, pool=5, lookahead=0),
+                    model=lm.model)
     assert plain.positions_kept == pooled.positions_kept
     assert not torch.equal(plain.kept, pooled.kept)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lookahead_scores_by_the_sender_s_own_answer(cases, arch):
+    """With ``lookahead`` N the sender decodes the receiver's first N answer tokens on its full cache
+    (the tokens full relay answers) and only those tokens' attention rows pick the positions."""
+    from kvrelay.kv.evict import answer_probe, attention_probe, lookahead_ids
+
+    lm, sender, receiver, p = cases[arch]
+    question = receiver.prompt_ids("what is the code")
+    full = receiver.respond("what is the code", p)
+    draft = lookahead_ids(lm.model, p, question, 4, stop_ids=receiver.stop_ids)
+    assert draft and tuple(draft) == full.token_ids[:4]  # cut where the receiver stops
+    probe = answer_probe(lm.model, p, question, 4)
+    assert probe.lookahead == len(lookahead_ids(lm.model, p, question, 4)) and probe.tokens == len(question) + probe.lookahead
+    request = PartialRequest(tuple(question), Budget(fraction=0.5), lookahead=4)
+    got = select(p, request, model=lm.model)
+    by_answer = select(p, request, probe=probe)
+    assert torch.equal(got.kept, by_answer.kept) and got.score_s > 0 and by_answer.score_s == 0
+    rows = select(p, PartialRequest(tuple(question), Budget(fraction=0.5), window=probe.lookahead),
+                  probe=dataclasses.replace(probe, lookahead=0))  # the last N rows of the same probe
+    assert torch.equal(got.kept, rows.kept)
+    q_only = attention_probe(lm.model, p, question)
+    by_question = select(p, PartialRequest(tuple(question), Budget(fraction=0.5)), probe=q_only)
+    assert not torch.equal(got.kept, by_question.kept)
 
 
 def test_inspect_names_layout_and_partial_selection(cases):

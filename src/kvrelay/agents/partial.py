@@ -35,7 +35,7 @@ class PartialHop:
     request_bytes: int
     reply_bytes: int  # kvrelay/1 bytes of the partial payload
     request_s: float  # receiver encodes and puts the request; sender gets and parses it
-    score_s: float  # sender's probe forward over the question tokens
+    score_s: float  # sender's look-ahead decode and probe forward over the question (and answer) tokens
     select_s: float  # top-k, gather, encoding
     reply_s: float  # sender packs and puts the reply; receiver gets, verifies and decodes it
 

@@ -33,14 +33,14 @@ import numpy as np
 from tqdm import tqdm
 
 from kvrelay.agents.agent import Agent
-from kvrelay.agents.partial import partial_relay
+from kvrelay.agents.partial import make_request, partial_relay
 from kvrelay.audit.bootstrap import bca_ci
 from kvrelay.audit.runner import MESSAGE_PROMPT, RECEIVER_ROLE, SENDER_ROLE
 from kvrelay.audit.tasks.scoring import score
 from kvrelay.audit.tasks.task import Task
 from kvrelay.kv import wire
 from kvrelay.kv.evict import attention_probe
-from kvrelay.kv.partial import Budget
+from kvrelay.kv.partial import Budget, request_probe
 
 FULL, RECEIVER, AGNOSTIC = "full", "receiver_driven", "evict_agnostic"
 TEXT_METHODS = ("text_message", "text_full", "none")
@@ -72,8 +72,9 @@ def _method_name(base: str, encoding: str) -> str:
 def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets: Sequence[float],
              encodings: Sequence[str], methods: Sequence[str], message_tokens: int,
              scoring: dict | None = None) -> list[Trial]:
-    """Every method on one task; the document read once. ``scoring``: ``PartialRequest``'s ``window`` and
-    ``pool`` for both partial methods (default: the request's defaults)."""
+    """Every method on one task; the document read once. ``scoring``: ``PartialRequest``'s ``window``,
+    ``pool`` and ``lookahead`` for both partial methods (default: the request's defaults; the agnostic
+    eviction scores by the sender's own last tokens whatever the lookahead)."""
     payload = sender.read(task.context)
     T = payload.num_tokens
     out = []
@@ -87,8 +88,8 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
     probes = {}
     if RECEIVER in methods:
         t0 = time.perf_counter()
-        probes[RECEIVER] = (attention_probe(sender.model, payload, receiver.prompt_ids(task.prompt)),
-                            time.perf_counter() - t0)
+        request = make_request(receiver, task.prompt, Budget(fraction=1.0), **(scoring or {}))
+        probes[RECEIVER] = (request_probe(sender.model, payload, request), time.perf_counter() - t0)
     if AGNOSTIC in methods:
         t0 = time.perf_counter()
         probes[AGNOSTIC] = (attention_probe(sender.model, payload), time.perf_counter() - t0)

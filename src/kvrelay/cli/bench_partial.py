@@ -48,6 +48,8 @@ def partial(
                                "tokens (0: all of them; default: a partial request's, docs/layouts.md)"),
     pool: int = typer.Option(None, help="max-pool the scores over this many neighbouring positions (odd; 1: none; "
                              "default: a partial request's)"),
+    lookahead: int = typer.Option(None, help="score positions by the sender's own first N answer tokens instead "
+                                  "of the prompt's (0: by the prompt; default: a partial request's)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's)"),
     records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed (tasks it "
@@ -73,6 +75,8 @@ def partial(
         raise v.InvalidInput(f"--window {window}", "--window 0 (every prompt token) or a positive count")
     if pool is not None and (pool < 1 or pool % 2 == 0):
         raise v.InvalidInput(f"--pool {pool}", "--pool an odd number of positions >= 1")
+    if lookahead is not None and lookahead < 0:
+        raise v.InvalidInput(f"--lookahead {lookahead}", "--lookahead 0 (score by the prompt) or a positive count")
     v.positive(threads, "--threads")
     v.writable_path(json_path, "--json")
     v.writable_path(records, "--records")
@@ -89,10 +93,11 @@ def partial(
 
     per_set = [[(name, t) for t in load_tasks(name, limit=limit, seed=0)] for name in task_sets]
     task_list = [x for group in zip_longest(*per_set) for x in group if x is not None]  # sets interleaved
-    from kvrelay.kv.partial import DEFAULT_POOL, DEFAULT_WINDOW
+    from kvrelay.kv.partial import DEFAULT_LOOKAHEAD, DEFAULT_POOL, DEFAULT_WINDOW
 
     scoring = {"window": DEFAULT_WINDOW if window is None else (window or None),
-               "pool": DEFAULT_POOL if pool is None else pool}
+               "pool": DEFAULT_POOL if pool is None else pool,
+               "lookahead": DEFAULT_LOOKAHEAD if lookahead is None else lookahead}
     setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
              "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
     try:  # a line cut short by a killed run goes before anything is appended

@@ -79,6 +79,7 @@ class AttentionProbe:
 
     probs: tuple[torch.Tensor, ...]
     tokens: int = 0
+    lookahead: int = 0  # the last ``lookahead`` probe tokens are the model's own answer (``lookahead_ids``)
 
     @property
     def scores(self) -> torch.Tensor:
@@ -108,7 +109,7 @@ class AttentionProbe:
         return torch.stack(out)
 
     def row(self, b: int, start: int) -> AttentionProbe:
-        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens)
+        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens, self.lookahead)
 
 
 def _probe_tokens(p: KVPayload, probe_ids, n_probe: int) -> torch.Tensor:
@@ -157,6 +158,44 @@ def attention_probe(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) ->
         full[..., T - T_l:] = a
         probs.append(full)  # (B, H_kv, R, T)
     return AttentionProbe(tuple(probs), q)
+
+
+def eos_ids(model) -> set[int]:
+    """The model's own stop tokens (its generation config's ``eos_token_id``, one id or several)."""
+    e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if e is None:
+        e = getattr(model.config, "eos_token_id", None)
+    return set() if e is None else {int(e)} if isinstance(e, int) else {int(i) for i in e}
+
+
+@torch.inference_mode()
+def lookahead_ids(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | None = None) -> list[int]:
+    """The first ``n`` tokens ``model`` answers greedily after ``prompt_ids`` (q,) on ``p``'s cache (one
+    unpadded row), cut before a stop token (default: ``eos_ids``). Their queries are where the answer
+    will look, so their attention picks what to keep better than the prompt's: Lookahead Q-Cache's
+    pseudo queries (arXiv 2505.20334). ``p`` is not written to."""
+    from kvrelay.kv.cache import to_cache
+    from kvrelay.models.generate import decode_n_tokens, forward_last
+
+    if n < 1:
+        return []
+    if p.batch_size != 1 or not bool(p.mask.all()):
+        raise ValueError("lookahead_ids decodes one unpadded row")
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).reshape(1, -1)  # (1, q)
+    pos = p.next_positions[:, None] + torch.arange(ids.shape[1])[None]  # (1, q)
+    cache = to_cache(p, model.config)
+    stops = eos_ids(model) if stop_ids is None else set(stop_ids)
+    first = forward_last(model, ids, pos, cache, None)  # (1, V)
+    tokens, lengths, _ = decode_n_tokens(model, cache, first, pos[:, -1] + 1, None, n, stops)
+    return tokens[0, :int(lengths[0])].tolist()
+
+
+def answer_probe(model, p: KVPayload, prompt_ids, lookahead: int) -> AttentionProbe:
+    """``attention_probe`` of ``prompt_ids`` followed by the model's first ``lookahead`` answer tokens
+    (``lookahead_ids``); ``probe.lookahead`` says how many rows are the answer's (fewer when it stops)."""
+    draft = lookahead_ids(model, p, prompt_ids, lookahead)
+    probe = attention_probe(model, p, list(prompt_ids) + draft)
+    return replace(probe, lookahead=len(draft))
 
 
 def attention_scores(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> torch.Tensor:

@@ -6,7 +6,9 @@ prompt, in the continue layout) and a ``Budget``. The sender runs those tokens a
 the attention the receiver's first forward would pay), scores every cached position per layer and KV
 head, and keeps, per (layer, KV head), the sinks, the recent tail and the top-scored positions in
 between (``evict.evict`` in ``headwise`` mode by default; sliding-window layers keep their whole
-window, ``evict.recent_floor``). The result travels through the codec chain (``kv.codecs``: an
+window, ``evict.recent_floor``). With ``lookahead`` N > 0 the sender first answers the question itself
+for N greedy tokens on its full cache and scores by those tokens' attention instead
+(``evict.answer_probe``): they look where the receiver's answer will look. The result travels through the codec chain (``kv.codecs``: an
 optional layer subset, then raw/fp16/int8/int4).
 
 Layout (``payload.py``): keys/values per held layer ``(B, H_kv, T_l, D)``, one unpadded row.
@@ -36,12 +38,13 @@ import torch
 
 from kvrelay.core.errors import CorruptPayload, InvalidInput
 from kvrelay.kv.codecs import Codec, Compressed, Evict, Layers, compress, parse
-from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, attention_probe, eviction_plan, recent_floor
+from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, answer_probe, attention_probe, eviction_plan, recent_floor
 from kvrelay.kv.transforms import select_layers
 
 REQUEST_FORMAT = "kvrelay-partial-request/1"
 DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the cache (None: all)
-DEFAULT_POOL = 7  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
+DEFAULT_POOL = 3  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
+DEFAULT_LOOKAHEAD = 8  # the sender's own answer tokens that score the cache (0: the question's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +86,9 @@ class PartialRequest:
     mode: str = "headwise"  # evict.EVICTION_MODES: per (layer, KV head), per layer, or one set
     sink: int = 4
     recent: int = 8
-    window: int | None = DEFAULT_WINDOW  # score by the last ``window`` question tokens only (None: all of them)
+    window: int | None = DEFAULT_WINDOW  # score by the last ``window`` question tokens only (None: all; lookahead 0 only)
     pool: int = DEFAULT_POOL  # max-pool scores over this many neighbouring slots (odd; 1: none)
+    lookahead: int = DEFAULT_LOOKAHEAD  # score by the sender's first N answer tokens instead (0: by the question)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -97,6 +101,8 @@ class PartialRequest:
             raise InvalidInput(f"window {self.window!r}", "window must be None or an int >= 1 (question tokens)")
         if type(self.pool) is not int or self.pool < 1 or self.pool % 2 == 0:
             raise InvalidInput(f"pool {self.pool!r}", "pool must be an odd int >= 1 (slots)")
+        if type(self.lookahead) is not int or self.lookahead < 0:
+            raise InvalidInput(f"lookahead {self.lookahead!r}", "lookahead must be an int >= 0 (answer tokens)")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -109,7 +115,8 @@ class PartialRequest:
         d = {"format": REQUEST_FORMAT, "question_ids": list(self.question_ids), "fraction": self.budget.fraction,
              "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
              "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
-             "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool}
+             "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool,
+             "lookahead": self.lookahead}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -121,7 +128,7 @@ class PartialRequest:
             budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
             layers = tuple(d["layers"]) if d["layers"] is not None else None
             return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"],
-                       d.get("window"), d.get("pool", 1))
+                       d.get("window"), d.get("pool", 1), d.get("lookahead", 0))
         except CorruptPayload:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -169,7 +176,7 @@ def _keep_for(p, request: PartialRequest, n: int) -> float:
 def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | None = None) -> PartialSelection:
     """Score ``p`` (one unpadded row, every layer) by the request's question and keep what the budget allows.
 
-    ``model``: the sender's model (runs the probe); or pass ``probe`` measured already.
+    ``model``: the sender's model (runs the probe); or pass ``probe`` measured already (``request_probe``).
     """
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
@@ -178,10 +185,11 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     if probe is None:
         if model is None:
             raise ValueError("select needs the sender's model (or a probe) to score the cache")
-        probe = attention_probe(model, p, list(request.question_ids))
+        probe = request_probe(model, p, request)
     score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores = probe.pooled(window=request.window, pool=request.pool)  # (L, 1, H_kv, T)
+    window = probe.lookahead or request.window  # the answer's rows when the sender looked ahead
+    scores = probe.pooled(window=window, pool=request.pool)  # (L, 1, H_kv, T)
     T = p.num_tokens
     n = request.budget.positions(T)
     fixed, _ = _fixed(p, request)
@@ -203,6 +211,14 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
             kept[j] = False
             kept[j, :, T - min(T_l, plan.shape[2]):] = True
     return PartialSelection(c, kept, int(plan.shape[2]), T, score_s, time.perf_counter() - t1)
+
+
+def request_probe(model, p, request: PartialRequest) -> AttentionProbe:
+    """The attention rows that score ``p`` for ``request``: its question's, followed with ``lookahead`` > 0
+    by the sender's own first answer tokens (``evict.answer_probe``), whose rows then do the scoring."""
+    if request.lookahead:
+        return answer_probe(model, p, list(request.question_ids), request.lookahead)
+    return attention_probe(model, p, list(request.question_ids))
 
 
 def _fit_bytes(p, request: PartialRequest, scores: torch.Tensor, n: int, c: Compressed) -> Compressed:
