@@ -206,7 +206,15 @@ def test_lookahead_scores_by_the_sender_s_own_answer(cases, arch):
     draft = lookahead_ids(lm.model, p, question, 4, stop_ids=receiver.stop_ids)
     assert draft and tuple(draft) == full.token_ids[:4]  # cut where the receiver stops
     probe = answer_probe(lm.model, p, question, 4)
-    assert probe.lookahead == len(lookahead_ids(lm.model, p, question, 4)) and probe.tokens == len(question) + probe.lookahead
+    mine = lookahead_ids(lm.model, p, question, 4)  # cut at the model's own eos
+    assert probe.lookahead == probe.tokens == len(mine) > 0
+    # the rows taken while decoding are those of a probe over prompt + answer, the answer's rows only
+    # (full-attention layers; a sliding layer's are zeros: it keeps its window whatever the scores)
+    two_pass = attention_probe(lm.model, p, question + mine).pooled(window=len(mine))  # (L, 1, H_kv, T)
+    full_layers = [j for j, t in enumerate(p.meta.layer_types) if t == "full_attention"]
+    got_rows = probe.pooled()
+    torch.testing.assert_close(got_rows[full_layers], two_pass[full_layers], atol=1e-5, rtol=1e-4)
+    assert not got_rows[[j for j in range(len(p.keys)) if j not in full_layers]].any()
     request = PartialRequest(tuple(question), Budget(fraction=0.5), lookahead=4)
     got = select(p, request, model=lm.model)
     by_answer = select(p, request, probe=probe)

@@ -55,6 +55,7 @@ query attends to them; moving them would disturb the queries the probes do not r
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -169,33 +170,73 @@ def eos_ids(model) -> set[int]:
 
 
 @torch.inference_mode()
-def lookahead_ids(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | None = None) -> list[int]:
-    """The first ``n`` tokens ``model`` answers greedily after ``prompt_ids`` (q,) on ``p``'s cache (one
-    unpadded row), cut before a stop token (default: ``eos_ids``). Their queries are where the answer
-    will look, so their attention picks what to keep better than the prompt's: Lookahead Q-Cache's
-    pseudo queries (arXiv 2505.20334). ``p`` is not written to."""
+def _lookahead(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | None,
+               rows: bool) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
+    """Greedy answer tokens after ``prompt_ids`` on ``p``'s cache and, with ``rows``, each answer token's
+    attention over ``p``'s slots per layer (B, H_kv, group, T), taken as it is decoded."""
     from kvrelay.kv.cache import to_cache
-    from kvrelay.models.generate import decode_n_tokens, forward_last
+    from kvrelay.models.generate import forward_last
 
-    if n < 1:
-        return []
     if p.batch_size != 1 or not bool(p.mask.all()):
-        raise ValueError("lookahead_ids decodes one unpadded row")
+        raise ValueError("a look-ahead decodes one unpadded row")
+    if n < 1:
+        return [], []
+    T = p.num_tokens
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).reshape(1, -1)  # (1, q)
-    pos = p.next_positions[:, None] + torch.arange(ids.shape[1])[None]  # (1, q)
+    pos = int(p.next_positions[0]) + ids.shape[1]  # the first answer token's position
     cache = to_cache(p, model.config)
     stops = eos_ids(model) if stop_ids is None else set(stop_ids)
-    first = forward_last(model, ids, pos, cache, None)  # (1, V)
-    tokens, lengths, _ = decode_n_tokens(model, cache, first, pos[:, -1] + 1, None, n, stops)
-    return tokens[0, :int(lengths[0])].tolist()
+    logits = forward_last(model, ids, (pos - ids.shape[1] + torch.arange(ids.shape[1]))[None], cache, None)
+    tokens, probs = [], []
+    with eager_attention(model) if rows else nullcontext():
+        for k in range(n):
+            t = int(logits[0].argmax())
+            if t in stops:
+                break
+            tokens.append(t)
+            if not rows and k == n - 1:
+                break  # the last token's own forward only serves its attention row
+            out = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[pos + k]]), cache=cache,
+                        use_cache=True, output_attentions=rows, logits_to_keep=1)
+            logits = out.logits[:, -1, :].float()
+            if rows:
+                probs.append(tuple(_cache_rows(a, p, j, T) for j, a in enumerate(out.attentions)))
+    return tokens, probs
 
 
-def answer_probe(model, p: KVPayload, prompt_ids, lookahead: int) -> AttentionProbe:
-    """``attention_probe`` of ``prompt_ids`` followed by the model's first ``lookahead`` answer tokens
-    (``lookahead_ids``); ``probe.lookahead`` says how many rows are the answer's (fewer when it stops)."""
-    draft = lookahead_ids(model, p, prompt_ids, lookahead)
-    probe = attention_probe(model, p, list(prompt_ids) + draft)
-    return replace(probe, lookahead=len(draft))
+def _cache_rows(a: torch.Tensor, p: KVPayload, j: int, T: int) -> torch.Tensor:
+    """One answer token's attention (1, Hq, 1, kv) in layer j -> (1, H_kv, group, T) over ``p``'s slots,
+    renormalised over them. A sliding layer (it holds fewer than T slots, and decoding pushes its oldest
+    out) gets zeros: its kept slots are its window whatever the scores (``recent_floor``)."""
+    H, T_l = p.keys[j].shape[1], p.keys[j].shape[2]
+    out = a.new_zeros(1, H, a.shape[1] // H, T, dtype=torch.float32)
+    if T_l == T and p.meta.layer_types[j] != "sliding_attention":
+        x = a[0, :, 0, :T].float()  # (Hq, T)
+        x = x / x.sum(-1, keepdim=True).clamp_min(1e-30)
+        out[0] = x.reshape(H, -1, T)  # query heads of a KV group are adjacent
+    return out
+
+
+def lookahead_ids(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | None = None) -> list[int]:
+    """The first ``n`` tokens ``model`` answers greedily after ``prompt_ids`` (q,) on ``p``'s cache (one
+    unpadded row), cut before a stop token (default: ``eos_ids``). ``p`` is not written to."""
+    return _lookahead(model, p, prompt_ids, n, stop_ids, rows=False)[0]
+
+
+def answer_probe(model, p: KVPayload, prompt_ids, lookahead: int, stop_ids: set[int] | None = None) -> AttentionProbe:
+    """The attention the model's own first ``lookahead`` answer tokens after ``prompt_ids`` pay ``p``'s
+    slots: where the answer looks, so a better guide to what to keep than the prompt (Lookahead Q-Cache's
+    pseudo queries, arXiv 2505.20334). The rows are taken while the answer is decoded (one forward per
+    token, eager attention), so the prompt is read once. ``probe.lookahead`` = ``probe.tokens`` = the
+    answer tokens (fewer when it stops); an empty answer falls back to the prompt's rows
+    (``attention_probe``, ``lookahead`` 0)."""
+    tokens, rows = _lookahead(model, p, prompt_ids, lookahead, stop_ids, rows=True)
+    if not tokens:
+        return attention_probe(model, p, prompt_ids)
+    k = len(tokens)
+    probs = tuple(torch.stack([r[j] for r in rows], dim=3).reshape(1, rows[0][j].shape[1], -1, p.num_tokens)
+                  for j in range(len(p.keys)))  # (1, H_kv, group × k, T): answer token fastest
+    return AttentionProbe(probs, k, k)
 
 
 def attention_scores(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> torch.Tensor:

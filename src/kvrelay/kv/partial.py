@@ -38,7 +38,14 @@ import torch
 
 from kvrelay.core.errors import CorruptPayload, InvalidInput
 from kvrelay.kv.codecs import Codec, Compressed, Evict, Layers, compress, parse
-from kvrelay.kv.evict import EVICTION_MODES, AttentionProbe, answer_probe, attention_probe, eviction_plan, recent_floor
+from kvrelay.kv.evict import (
+    EVICTION_MODES,
+    AttentionProbe,
+    answer_probe,
+    attention_probe,
+    eviction_plan,
+    recent_floor,
+)
 from kvrelay.kv.transforms import select_layers
 
 REQUEST_FORMAT = "kvrelay-partial-request/1"
