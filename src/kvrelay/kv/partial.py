@@ -6,10 +6,10 @@ prompt, in the continue layout) and a ``Budget``. The sender runs those tokens a
 the attention the receiver's first forward would pay), scores every cached position per layer and KV
 head, and keeps, per (layer, KV head), the sinks, the recent tail and the top-scored positions in
 between (``evict.evict`` in ``headwise`` mode by default; sliding-window layers keep their whole
-window, ``evict.recent_floor``). With ``lookahead`` N > 0 the sender first answers the question itself
-for N greedy tokens on its full cache and scores by those tokens' attention instead
-(``evict.answer_probe``): they look where the receiver's answer will look. The result travels through the codec chain (``kv.codecs``: an
-optional layer subset, then raw/fp16/int8/int4).
+window, ``evict.recent_floor``). With ``lookahead`` N > 0 (the default, 8) the sender first answers
+the question itself for N greedy tokens on its full cache and scores by those tokens' attention instead
+(``evict.answer_probe``): they look where the receiver's answer will look. The result travels through
+the codec chain (``kv.codecs``: an optional layer subset, then raw/fp16/int8/int4).
 
 Layout (``payload.py``): keys/values per held layer ``(B, H_kv, T_l, D)``, one unpadded row.
 
