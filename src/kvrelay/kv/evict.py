@@ -173,9 +173,10 @@ def eos_ids(model) -> set[int]:
 def _lookahead(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | None,
                rows: bool) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
     """Greedy answer tokens after ``prompt_ids`` on ``p``'s cache and, with ``rows``, each answer token's
-    attention over ``p``'s slots per layer (B, H_kv, group, T), taken as it is decoded."""
+    attention over ``p``'s slots per layer (B, H_kv, group, T), taken as it is decoded
+    (``generate.decode_n_tokens`` with a step that keeps the weights)."""
     from kvrelay.kv.cache import to_cache
-    from kvrelay.models.generate import forward_last
+    from kvrelay.models.generate import decode_n_tokens, forward_last
 
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a look-ahead decodes one unpadded row")
@@ -183,25 +184,24 @@ def _lookahead(model, p: KVPayload, prompt_ids, n: int, stop_ids: set[int] | Non
         return [], []
     T = p.num_tokens
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64).reshape(1, -1)  # (1, q)
-    pos = int(p.next_positions[0]) + ids.shape[1]  # the first answer token's position
+    start = int(p.next_positions[0])
     cache = to_cache(p, model.config)
     stops = eos_ids(model) if stop_ids is None else set(stop_ids)
-    logits = forward_last(model, ids, (pos - ids.shape[1] + torch.arange(ids.shape[1]))[None], cache, None)
-    tokens, probs = [], []
+    logits = forward_last(model, ids, (start + torch.arange(ids.shape[1]))[None], cache, None)  # (1, V)
+    kept: list[tuple[torch.Tensor, ...]] = []
+
+    def step(model, tok, pos, cache, mask) -> torch.Tensor:  # a decode step that keeps its attention rows
+        out = model(input_ids=tok, position_ids=pos, cache=cache, attention_mask=mask, use_cache=True,
+                    output_attentions=True, logits_to_keep=1)
+        kept.append(tuple(_cache_rows(a, p, j, T) for j, a in enumerate(out.attentions)))
+        return out.logits[:, -1, :].float()
+
+    # with rows, one more step runs the n-th token's forward (its attention row); its successor is dropped
     with eager_attention(model) if rows else nullcontext():
-        for k in range(n):
-            t = int(logits[0].argmax())
-            if t in stops:
-                break
-            tokens.append(t)
-            if not rows and k == n - 1:
-                break  # the last token's own forward only serves its attention row
-            out = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[pos + k]]), cache=cache,
-                        use_cache=True, output_attentions=rows, logits_to_keep=1)
-            logits = out.logits[:, -1, :].float()
-            if rows:
-                probs.append(tuple(_cache_rows(a, p, j, T) for j, a in enumerate(out.attentions)))
-    return tokens, probs
+        tokens, lengths, _ = decode_n_tokens(model, cache, logits, torch.tensor([start + ids.shape[1]]), None,
+                                             n + int(rows), stops, forward=step if rows else forward_last)
+    k = min(int(lengths[0]), n)
+    return tokens[0, :k].tolist(), kept[:k]
 
 
 def _cache_rows(a: torch.Tensor, p: KVPayload, j: int, T: int) -> torch.Tensor:

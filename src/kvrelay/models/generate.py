@@ -54,12 +54,15 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
                     mask: torch.Tensor | None, max_new_tokens: int, stop_ids: set[int], pad_id: int = 0,
                     min_new_tokens: int = 0, on_token: Callable[[torch.Tensor], None] | None = None,
                     choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    forward: Callable[..., torch.Tensor] = forward_last,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Greedy decode from ``first_logits`` (B, V); rows that hit a stop token keep emitting ``pad_id``.
 
     Stop tokens are suppressed (their logits set to -inf) for the first ``min_new_tokens`` steps.
     ``choose`` maps (B, V) logits to (B,) tokens in place of the argmax (seeded sampling).
     ``on_token`` sees each step's tokens (B,) as soon as they are chosen (streaming servers).
+    ``forward``: each step's forward, ``forward_last``'s signature (one that also keeps each step's
+    attention weights: ``kv.evict.answer_probe``). The last token chosen is not run through it.
     Tokens and the padded mask are preallocated; the stop check stays on tensors (no Python lists); the
     cache's room for the decoded tokens is reserved up front (``models.reserve``), so a step writes in place.
     """
@@ -91,7 +94,7 @@ def decode_n_tokens(model, cache: DynamicCache, first_logits: torch.Tensor, next
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             step_mask = None if full_mask is None else full_mask[:, : cached + step + 1]  # (B, cached + step + 1)
-            logits = forward_last(model, tok[:, None], pos, cache, step_mask)
+            logits = forward(model, tok[:, None], pos, cache, step_mask)
             pos = pos + 1
     mask = None if full_mask is None else full_mask[:, : cached + max(n - 1, 0)]
     return out[:, :n], lengths, mask
