@@ -208,6 +208,11 @@ def test_lookahead_scores_by_the_sender_s_own_answer(cases, arch):
     probe = answer_probe(lm.model, p, question, 4)
     mine = lookahead_ids(lm.model, p, question, 4)  # cut at the model's own eos
     assert probe.lookahead == probe.tokens == len(mine) > 0
+    shorter = answer_probe(lm.model, p, question, 2)  # one decode serves every shorter look-ahead
+    assert shorter.lookahead == 2
+    for a, b in zip(probe.answer_prefix(2).probs, shorter.probs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert probe.answer_prefix(9) is probe
     # the rows taken while decoding are those of a probe over prompt + answer, the answer's rows only
     # (full-attention layers; a sliding layer's are zeros: it keeps its window whatever the scores)
     two_pass = attention_probe(lm.model, p, question + mine).pooled(window=len(mine))  # (L, 1, H_kv, T)

@@ -109,6 +109,19 @@ class AttentionProbe:
             out.append(s)
         return torch.stack(out)
 
+    def answer_prefix(self, n: int) -> AttentionProbe:
+        """A look-ahead probe's rows for its first ``n`` answer tokens: a shorter look-ahead is a prefix of
+        the same greedy answer, so one decode serves every length (``answer_probe``). A probe with fewer
+        answer tokens, or one that fell back to the prompt's rows (``lookahead`` 0), is returned as it is."""
+        k = self.lookahead
+        if n < 1:
+            raise ValueError(f"an answer prefix needs n >= 1, got {n}")
+        if not k or n >= k:
+            return self
+        probs = tuple(p.reshape(*p.shape[:2], -1, k, p.shape[-1])[:, :, :, :n].reshape(*p.shape[:2], -1, p.shape[-1])
+                      for p in self.probs)  # (B, H_kv, group × n, T): answer token fastest
+        return AttentionProbe(probs, n, n)
+
     def row(self, b: int, start: int) -> AttentionProbe:
         return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens, self.lookahead)
 
