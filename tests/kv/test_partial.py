@@ -8,6 +8,7 @@ positions (per layer and KV head), the context itself being computed over everyt
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -154,9 +155,45 @@ def test_request_wire_round_trip_and_refusals():
     assert PartialRequest.from_bytes(w.to_bytes()) == w
     la = PartialRequest((5, 6, 7), Budget(fraction=0.25), lookahead=8)
     assert PartialRequest.from_bytes(la.to_bytes()) == la
-    for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0}):
-        with pytest.raises(InvalidInput, match="window|pool|lookahead"):
+    bf = PartialRequest((5, 6, 7), Budget(fraction=0.25), backfill=True)
+    assert PartialRequest.from_bytes(bf.to_bytes()) == bf
+    older = json.loads(bf.to_bytes())
+    del older["backfill"]  # a request from before the field: no backfill
+    assert PartialRequest.from_bytes(json.dumps(older).encode()).backfill is False
+    for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0},
+                {"backfill": 1}, {"backfill": "yes"}):
+        with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill"):
             PartialRequest((1,), Budget(top_k=3), **bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_backfill_corrects_the_kept_values_for_the_answer_rows(cases, arch):
+    """With ``backfill`` the same positions travel, keys untouched, and the kept values are corrected so
+    that the look-ahead's answer rows read from them closer to what they read from the whole cache."""
+    from kvrelay.kv.evict import answer_probe
+
+    lm, _, receiver, p = cases[arch]
+    question = receiver.prompt_ids("what is the code")
+    probe = answer_probe(lm.model, p, question, 4)
+    req = PartialRequest(tuple(question), Budget(fraction=0.4), lookahead=4)
+    plain = select(p, req, probe=probe)
+    fixed = select(p, dataclasses.replace(req, backfill=True), probe=probe)
+    assert torch.equal(plain.kept, fixed.kept)
+    a, b = plain.compressed.decompress(), fixed.compressed.decompress()
+    assert all(torch.equal(x, y) for x, y in zip(a.keys, b.keys, strict=True))
+    err_plain = err_fixed = 0.0
+    for j in range(len(p.keys)):
+        for h in range(p.keys[j].shape[1]):
+            P = probe.probs[j][0, h].double()  # (R, T) the answer rows
+            kept = plain.kept[j, h].nonzero().squeeze(1)  # (T',) sorted, as the payload holds them
+            A = P[:, kept] / P[:, kept].sum(-1, keepdim=True)  # (R, T') what the rows see after the drop
+            want = P @ p.values[j][0, h].double()  # (R, D)
+            err_plain += float((A @ a.values[j][0, h].double() - want).norm())
+            err_fixed += float((A @ b.values[j][0, h].double() - want).norm())
+    assert err_fixed < 0.8 * err_plain
+    assert sum(b.values[j].sub(a.values[j]).abs().max() for j in range(len(p.keys))) > 1e-4
+    full = select(p, dataclasses.replace(req, budget=Budget(fraction=1.0), backfill=True), probe=probe)
+    assert all(torch.equal(x, y) for x, y in zip(full.compressed.decompress().values, p.values, strict=True))
 
 
 def test_pooled_scores_take_the_window_and_keep_a_peak_s_neighbours():

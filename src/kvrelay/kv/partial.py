@@ -96,6 +96,7 @@ class PartialRequest:
     window: int | None = DEFAULT_WINDOW  # score by the last ``window`` question tokens only (None: all; lookahead 0 only)
     pool: int = DEFAULT_POOL  # max-pool scores over this many neighbouring slots (odd; 1: none)
     lookahead: int = DEFAULT_LOOKAHEAD  # score by the sender's first N answer tokens instead (0: by the question)
+    backfill: bool = False  # correct the kept values for what the dropped ones gave the probe's rows (OBF)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -110,6 +111,8 @@ class PartialRequest:
             raise InvalidInput(f"pool {self.pool!r}", "pool must be an odd int >= 1 (slots)")
         if type(self.lookahead) is not int or self.lookahead < 0:
             raise InvalidInput(f"lookahead {self.lookahead!r}", "lookahead must be an int >= 0 (answer tokens)")
+        if type(self.backfill) is not bool:
+            raise InvalidInput(f"backfill {self.backfill!r}", "backfill must be true or false")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -123,7 +126,7 @@ class PartialRequest:
              "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
              "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
              "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool,
-             "lookahead": self.lookahead}
+             "lookahead": self.lookahead, "backfill": self.backfill}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -135,7 +138,7 @@ class PartialRequest:
             budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
             layers = tuple(d["layers"]) if d["layers"] is not None else None
             return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"],
-                       d.get("window"), d.get("pool", 1), d.get("lookahead", 0))
+                       d.get("window"), d.get("pool", 1), d.get("lookahead", 0), d.get("backfill", False))
         except CorruptPayload:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -160,7 +163,7 @@ class PartialSelection:
 
 def _codec(request: PartialRequest, keep: float) -> Codec:
     enc = parse(request.encoding).encoding
-    stages: tuple = (Evict(keep, request.mode, False),)
+    stages: tuple = (Evict(keep, request.mode, request.backfill),)
     if request.layers is not None:
         stages = (Layers(tuple(request.layers)), *stages)
     return Codec(stages, enc)
@@ -201,9 +204,10 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     n = request.budget.positions(T)
     fixed, _ = _fixed(p, request)
     n = max(n, fixed)
-    c = compress(p, _codec(request, _keep_for(p, request, n)), scores=scores, sink=request.sink, recent=request.recent)
+    c = compress(p, _codec(request, _keep_for(p, request, n)), scores=scores, probe=probe, sink=request.sink,
+                 recent=request.recent)
     if request.budget.nbytes is not None and c.nbytes > request.budget.nbytes:
-        c = _fit_bytes(p, request, scores, n, c)
+        c = _fit_bytes(p, request, scores, probe, n, c)
     keep = c.codec.stages[-1].keep
     sent = p
     if request.layers is not None:  # the selection is made on the layers that travel
@@ -228,17 +232,18 @@ def request_probe(model, p, request: PartialRequest) -> AttentionProbe:
     return attention_probe(model, p, list(request.question_ids))
 
 
-def _fit_bytes(p, request: PartialRequest, scores: torch.Tensor, n: int, c: Compressed) -> Compressed:
+def _fit_bytes(p, request: PartialRequest, scores: torch.Tensor, probe: AttentionProbe, n: int,
+               c: Compressed) -> Compressed:
     """The largest selection of at most ``n`` positions within the byte budget (bytes grow with positions)."""
     fixed, _ = _fixed(p, request)
-    lo_c = compress(p, _codec(request, 0.0), scores=scores, sink=request.sink, recent=request.recent)
+    lo_c = compress(p, _codec(request, 0.0), scores=scores, probe=probe, sink=request.sink, recent=request.recent)
     if lo_c.nbytes >= request.budget.nbytes or n <= fixed:
         return lo_c  # the sinks and the recent tail are never dropped
     lo, hi = fixed, n  # bytes(lo) <= budget < bytes(hi)
     best = lo_c
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        m = compress(p, _codec(request, _keep_for(p, request, mid)), scores=scores, sink=request.sink,
+        m = compress(p, _codec(request, _keep_for(p, request, mid)), scores=scores, probe=probe, sink=request.sink,
                      recent=request.recent)
         if m.nbytes <= request.budget.nbytes:
             lo, best = mid, m
