@@ -247,7 +247,7 @@ def test_lookahead_scores_by_the_sender_s_own_answer(cases, arch):
     assert probe.lookahead == probe.tokens == len(mine) > 0
     shorter = answer_probe(lm.model, p, question, 2)  # one decode serves every shorter look-ahead
     assert shorter.lookahead == 2
-    for a, b in zip(probe.answer_prefix(2).probs, shorter.probs):
+    for a, b in zip(probe.answer_prefix(2).probs, shorter.probs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert probe.answer_prefix(9) is probe
     # the rows taken while decoding are those of a probe over prompt + answer, the answer's rows only
