@@ -39,11 +39,61 @@ ROUND3 = [  # (window, pool, mode, lookahead): scoring by the sender's own first
     (None, 7, "headwise", 0), (None, 7, "headwise", 4), (None, 3, "headwise", 4), (None, 7, "headwise", 8),
     (None, 3, "headwise", 8), (None, 5, "headwise", 8), (None, 3, "headwise", 12), (None, 3, "layerwise", 8),
 ]
-ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3}
+ROUND4 = [  # (window, pool, mode, lookahead, reweighting): the look-ahead rows reweighted (``reweight``)
+    (None, 3, "headwise", 8, ""), (None, 3, "headwise", 8, "vnorm"), (None, 3, "headwise", 8, "blend"),
+    (None, 3, "headwise", 8, "prompt"), (None, 3, "headwise", 8, "span"), (None, 3, "headwise", 8, "span+vnorm"),
+    (None, 5, "headwise", 8, "span"),
+]
+ROUND5 = [  # the look-ahead's selection, its kept values corrected by orthogonal backfill (``backfill``)
+    (None, 3, "headwise", 8, ""), (None, 3, "headwise", 8, "backfill"), (None, 1, "headwise", 8, "backfill"),
+    (None, 3, "headwise", 12, "backfill"), (None, 3, "layerwise", 8, "backfill"),
+    (None, 5, "headwise", 8, "backfill"),
+]
+ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5}
 
 
-def name(window, pool, mode, lookahead=0) -> str:
-    return f"window={window or 'all'},pool={pool},{mode}" + (f",lookahead={lookahead}" if lookahead else "")
+def reweight(probe, how: str, payload, prompt_probe, answer_ids):
+    """The look-ahead ``probe`` changed by ``how`` ("+"-joined): ``vnorm`` weighs each slot by its value
+    vector's norm (VATP, arXiv 2406.12335); ``blend`` averages each head's rows with its layer's mean;
+    ``prompt`` averages the answer's rows with the prompt's (``prompt_probe``) at equal weight; ``span``
+    keeps the slots where a run of two or more of the sender's answer tokens (``answer_ids``) occurs in the
+    context (the answer span the look-ahead copies from); ``backfill`` asks the sender to correct the kept
+    values (``PartialRequest.backfill``) and leaves the rows as they are."""
+    from kvrelay.kv.evict import AttentionProbe
+
+    probs = list(probe.probs)  # (B, H_kv, R, T) each
+    T = payload.num_tokens
+    for part in filter(None, how.split("+")):
+        if part == "backfill":  # a request option (``PartialRequest.backfill``), not a reweighting
+            continue
+        if part == "vnorm":
+            for j, p in enumerate(probs):
+                v = payload.values[j].float().norm(dim=-1)  # (B, H_kv, T_l)
+                w = v.new_zeros(*v.shape[:2], T)
+                w[..., T - v.shape[2]:] = v
+                probs[j] = p * w[:, :, None, :]
+        elif part == "blend":
+            probs = [0.5 * p + 0.5 * p.mean(dim=1, keepdim=True) for p in probs]
+        elif part == "prompt":
+            probs = [torch.cat((p.mean(dim=2, keepdim=True), q.mean(dim=2, keepdim=True)), dim=2)
+                     for p, q in zip(probs, prompt_probe.probs, strict=True)]
+            return AttentionProbe(tuple(probs), 0, 0)
+        elif part == "span":
+            ctx = payload.token_ids[0].tolist()
+            grams = {tuple(answer_ids[i:i + 2]) for i in range(len(answer_ids) - 1)}
+            hit = torch.zeros(T, dtype=torch.bool)
+            for i in range(T - 1):
+                if tuple(ctx[i:i + 2]) in grams:
+                    hit[i:i + 2] = True
+            probs = [p + hit.float() * (1.0 + float(p.max())) for p in probs]
+        else:
+            raise ValueError(f"unknown reweighting {part!r}")
+    return AttentionProbe(tuple(probs), probe.tokens, probe.lookahead)
+
+
+def name(window, pool, mode, lookahead=0, how="") -> str:
+    return (f"window={window or 'all'},pool={pool},{mode}" + (f",lookahead={lookahead}" if lookahead else "")
+            + (f",{how}" if how else ""))
 
 
 def main(argv=None) -> int:
@@ -52,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="squad,gen_easy")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--offset", type=int, default=0, help="skip the first N tasks of each set (held-out choice)")
-    ap.add_argument("--round", type=int, choices=(1, 2, 3), default=1, help="which list of variants")
+    ap.add_argument("--round", type=int, choices=(1, 2, 3, 4, 5), default=1, help="which list of variants")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -65,7 +115,7 @@ def main(argv=None) -> int:
     from kvrelay.audit.runner import RECEIVER_ROLE, SENDER_ROLE
     from kvrelay.audit.tasks import load_tasks
     from kvrelay.audit.tasks.scoring import score
-    from kvrelay.kv.evict import answer_probe, attention_probe
+    from kvrelay.kv.evict import answer_probe, attention_probe, lookahead_ids
     from kvrelay.kv.partial import Budget
     from kvrelay.models.loader import load_model
 
@@ -73,7 +123,7 @@ def main(argv=None) -> int:
     sender = Agent(lm, "sender", SENDER_ROLE)
     receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=a.max_new_tokens)
     tasks = [t for s in a.tasks.split(",") for t in load_tasks(s, a.offset + a.limit)[a.offset:]]
-    variants = [(*v, 0)[:4] for v in ROUNDS[a.round]]
+    variants = [(*v, 0, "")[:5] if len(v) < 5 else v for v in ROUNDS[a.round]]
     rows: dict[str, list[float]] = {"full": []}
     same: dict[str, list[bool]] = {}
     for task in tqdm(tasks, desc="partial scoring"):
@@ -81,13 +131,17 @@ def main(argv=None) -> int:
         full = receiver.respond(task.prompt, payload)
         rows["full"].append(score(task, full.text))
         question = receiver.prompt_ids(task.prompt)
-        probes = {n: answer_probe(sender.model, payload, question, n) if n else
-                  attention_probe(sender.model, payload, question) for n in {v[3] for v in variants}}
-        for w, pool, mode, n in variants:
-            o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probes[n],
-                              window=w, pool=pool, mode=mode, lookahead=n)
-            rows.setdefault(name(w, pool, mode, n), []).append(score(task, o.response.text))
-            same.setdefault(name(w, pool, mode, n), []).append(o.response.token_ids == full.token_ids)
+        need = {v[3] for v in variants} | ({0} if any("prompt" in v[4] for v in variants) else set())
+        longest = answer_probe(sender.model, payload, question, max(need)) if max(need) else None
+        probes = {n: longest.answer_prefix(n) if n else attention_probe(sender.model, payload, question)
+                  for n in need}
+        answers = {n: lookahead_ids(sender.model, payload, question, n) for n in {v[3] for v in variants if "span" in v[4]}}
+        for w, pool, mode, n, how in variants:
+            probe = reweight(probes[n], how, payload, probes.get(0), answers.get(n)) if how else probes[n]
+            o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
+                              window=w, pool=pool, mode=mode, lookahead=n, backfill="backfill" in how.split("+"))
+            rows.setdefault(name(w, pool, mode, n, how), []).append(score(task, o.response.text))
+            same.setdefault(name(w, pool, mode, n, how), []).append(o.response.token_ids == full.token_ids)
     base = np.array(rows["full"])
     out = []
     for k, xs in rows.items():
