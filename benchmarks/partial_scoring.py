@@ -49,7 +49,27 @@ ROUND5 = [  # the look-ahead's selection, its kept values corrected by orthogona
     (None, 3, "headwise", 12, "backfill"), (None, 3, "layerwise", 8, "backfill"),
     (None, 5, "headwise", 8, "backfill"),
 ]
-ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5}
+ROUND6 = [  # the sender checks candidate selections against its own look-ahead answer (``verified``)
+    (None, 3, "headwise", 8, ""), (None, 3, "headwise", 8, "verify"), (None, 3, "headwise", 8, "verify-h"),
+]
+CANDIDATES = {"verify": [(pool, mode) for pool in (1, 3, 5) for mode in ("headwise", "layerwise")],
+              "verify-h": [(pool, "headwise") for pool in (1, 3, 5)]}
+ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5, 6: ROUND6}
+
+
+def verified(sender, payload, question, probe, budget, candidates, answer):
+    """The candidate selection whose partial payload best reproduces the sender's own look-ahead answer
+    (``kv.partial.answer_fit``; ``PartialRequest(verify=True)`` does this over ``VERIFY_CANDIDATES``)."""
+    from kvrelay.kv.partial import PartialRequest, answer_fit, select
+
+    best = None
+    for pool, mode in candidates:
+        req = PartialRequest(tuple(question), budget, pool=pool, mode=mode, lookahead=probe.lookahead)
+        part = select(payload, req, probe=probe).compressed.decompress()
+        fit = answer_fit(sender.model, part, question, answer)
+        if best is None or fit > best[0]:
+            best = (fit, part)
+    return best[1]
 
 
 def reweight(probe, how: str, payload, prompt_probe, answer_ids):
@@ -102,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="squad,gen_easy")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--offset", type=int, default=0, help="skip the first N tasks of each set (held-out choice)")
-    ap.add_argument("--round", type=int, choices=(1, 2, 3, 4, 5), default=1, help="which list of variants")
+    ap.add_argument("--round", type=int, choices=(1, 2, 3, 4, 5, 6), default=1, help="which list of variants")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -137,6 +157,15 @@ def main(argv=None) -> int:
                   for n in need}
         answers = {n: lookahead_ids(sender.model, payload, question, n) for n in {v[3] for v in variants if "span" in v[4]}}
         for w, pool, mode, n, how in variants:
+            if how in CANDIDATES:
+                if n not in answers:
+                    answers[n] = lookahead_ids(sender.model, payload, question, n)
+                part = verified(sender, payload, question, probes[n], Budget(fraction=a.budget), CANDIDATES[how],
+                                answers[n])
+                r = receiver.respond(task.prompt, part)
+                rows.setdefault(name(w, pool, mode, n, how), []).append(score(task, r.text))
+                same.setdefault(name(w, pool, mode, n, how), []).append(r.token_ids == full.token_ids)
+                continue
             probe = reweight(probes[n], how, payload, probes.get(0), answers.get(n)) if how else probes[n]
             o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
                               window=w, pool=pool, mode=mode, lookahead=n, backfill="backfill" in how.split("+"))

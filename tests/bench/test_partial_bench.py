@@ -81,6 +81,17 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     again = rec.read_text().splitlines()
     assert again[: len(lines)] == lines and len(again) == 2 * len(lines)
     assert json.loads(out.read_text())["setup"] | {"pool": 5, "lookahead": 0} == json.loads(out.read_text())["setup"]
+    # records written before the verify and backfill fields ran without them: they still resume
+    old = [json.loads(x) for x in again]
+    for row in old:
+        row["setup"].pop("verify"), row["setup"].pop("backfill")
+    rec.write_text("".join(json.dumps(row) + "\n" for row in old))
+    r4 = CliRunner().invoke(app, argv)
+    assert r4.exit_code == 0 and len(rec.read_text().splitlines()) == len(again)
+    r5 = CliRunner().invoke(app, [*argv, "--verify"])  # verified selections: their own trials
+    assert r5.exit_code == 0, r5.output
+    assert len(rec.read_text().splitlines()) == 3 * len(lines)
+    assert json.loads(out.read_text())["setup"]["verify"] is True
 
 
 def test_bench_partial_mistakes(tmp_path):

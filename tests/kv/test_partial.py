@@ -161,9 +161,43 @@ def test_request_wire_round_trip_and_refusals():
     del older["backfill"]  # a request from before the field: no backfill
     assert PartialRequest.from_bytes(json.dumps(older).encode()).backfill is False
     for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0},
-                {"backfill": 1}, {"backfill": "yes"}):
-        with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill"):
+                {"backfill": 1}, {"backfill": "yes"}, {"verify": 1}, {"verify": True, "layers": (0,)}):
+        with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill|verify"):
             PartialRequest((1,), Budget(top_k=3), **bad)
+    v = PartialRequest((5, 6, 7), Budget(fraction=0.25), verify=True)
+    assert PartialRequest.from_bytes(v.to_bytes()) == v
+    older = json.loads(v.to_bytes())
+    del older["verify"]
+    assert PartialRequest.from_bytes(json.dumps(older).encode()).verify is False
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, arch):
+    """With ``verify`` the sender selects under each candidate pool and mode and sends the payload whose
+    teacher-forced reading of its own look-ahead answer fits best; the whole cache fits it exactly."""
+    from kvrelay.kv.evict import answer_probe
+    from kvrelay.kv.partial import VERIFY_CANDIDATES, answer_fit
+
+    lm, _, receiver, p = cases[arch]
+    question = receiver.prompt_ids("what is the code")
+    probe = answer_probe(lm.model, p, question, 4)
+    assert len(probe.answer) == probe.lookahead > 0
+    assert answer_fit(lm.model, p, question, probe.answer)[0] == len(probe.answer)  # the answer is the greedy one
+    req = PartialRequest(tuple(question), Budget(fraction=0.6), lookahead=4, verify=True)
+    got = select(p, req, model=lm.model, probe=probe)
+    fits = {}
+    for pool, mode in VERIFY_CANDIDATES:
+        one = select(p, dataclasses.replace(req, pool=pool, mode=mode, verify=False), probe=probe)
+        fits[pool, mode] = (answer_fit(lm.model, one.compressed.decompress(), question, probe.answer), one)
+    assert len({str(f[1].kept.tolist()) for f in fits.values()}) > 1  # the candidates differ
+    fit, chosen = fits[got.pool, got.mode]
+    assert fit == max(f[0] for f in fits.values())
+    assert torch.equal(got.kept, chosen.kept)
+    with pytest.raises(ValueError, match="pass model="):
+        select(p, req, probe=probe)
+    no_answer = dataclasses.replace(probe, answer=())  # nothing to check against: the request's own choice
+    plain = select(p, dataclasses.replace(req, verify=False), probe=no_answer)
+    assert torch.equal(select(p, req, probe=no_answer).kept, plain.kept)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -73,7 +73,7 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
              encodings: Sequence[str], methods: Sequence[str], message_tokens: int,
              scoring: dict | None = None) -> list[Trial]:
     """Every method on one task; the document read once. ``scoring``: ``PartialRequest``'s ``window``,
-    ``pool`` and ``lookahead`` for both partial methods (default: the request's defaults; the agnostic
+    ``pool``, ``lookahead``, ``verify`` and ``backfill`` for both partial methods (default: the request's defaults; the agnostic
     eviction scores by the sender's own last tokens whatever the lookahead)."""
     payload = sender.read(task.context)
     T = payload.num_tokens
@@ -199,14 +199,18 @@ def trial_row(setup: dict, trial: Trial) -> dict:
     return {"setup": setup, **asdict(trial)}
 
 
+SETUP_DEFAULTS = {"verify": False, "backfill": False}  # setup fields that rows written before them ran without
+
+
 def select_trials(rows: Sequence[dict], setup: dict, where: object = "records") -> list[Trial]:
-    """The :func:`trial_row` rows run with exactly ``setup``, as trials (others are left alone)."""
+    """The :func:`trial_row` rows run with exactly ``setup``, as trials (others are left alone); a row that
+    lacks a field of ``SETUP_DEFAULTS`` ran with its default."""
     fields = set(Trial.__dataclass_fields__)
     out = []
     for i, row in enumerate(rows, 1):
         if not fields <= set(row) or "setup" not in row:
             raise ValueError(f"{where}: line {i}: expected a bench partial trial with setup and {sorted(fields)}")
-        if row["setup"] == setup:
+        if {**SETUP_DEFAULTS, **row["setup"]} == {**SETUP_DEFAULTS, **setup}:
             out.append(Trial(**{f: row[f] for f in fields}))
     return out
 

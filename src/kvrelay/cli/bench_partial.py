@@ -50,6 +50,10 @@ def partial(
                              "default: a partial request's)"),
     lookahead: int = typer.Option(None, help="score positions by the sender's own first N answer tokens instead "
                                   "of the prompt's (0: by the prompt; default: a partial request's)"),
+    verify: bool = typer.Option(None, "--verify/--no-verify", help="the sender tries several selections and sends "
+                                "the one that best reproduces its look-ahead answer (default: a partial request's)"),
+    backfill: bool = typer.Option(False, "--backfill/--no-backfill", help="correct the kept values by orthogonal "
+                                  "backfill over the scoring rows (both eviction methods)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's)"),
     records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed (tasks it "
@@ -93,11 +97,12 @@ def partial(
 
     per_set = [[(name, t) for t in load_tasks(name, limit=limit, seed=0)] for name in task_sets]
     task_list = [x for group in zip_longest(*per_set) for x in group if x is not None]  # sets interleaved
-    from kvrelay.kv.partial import DEFAULT_LOOKAHEAD, DEFAULT_POOL, DEFAULT_WINDOW
+    from kvrelay.kv.partial import DEFAULT_LOOKAHEAD, DEFAULT_POOL, DEFAULT_VERIFY, DEFAULT_WINDOW
 
     scoring = {"window": DEFAULT_WINDOW if window is None else (window or None),
                "pool": DEFAULT_POOL if pool is None else pool,
-               "lookahead": DEFAULT_LOOKAHEAD if lookahead is None else lookahead}
+               "lookahead": DEFAULT_LOOKAHEAD if lookahead is None else lookahead,
+               "verify": DEFAULT_VERIFY if verify is None else verify, "backfill": backfill}
     setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
              "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
     try:  # a line cut short by a killed run goes before anything is appended

@@ -282,7 +282,7 @@ def _subset(x, idx: list[int]):
     if x is None:
         return None
     if isinstance(x, AttentionProbe):
-        return AttentionProbe(tuple(x.probs[j] for j in idx), x.tokens)
+        return replace(x, probs=tuple(x.probs[j] for j in idx))
     return x[idx]
 
 

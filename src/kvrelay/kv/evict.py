@@ -81,6 +81,7 @@ class AttentionProbe:
     probs: tuple[torch.Tensor, ...]
     tokens: int = 0
     lookahead: int = 0  # the last ``lookahead`` probe tokens are the model's own answer (``lookahead_ids``)
+    answer: tuple[int, ...] = ()  # those answer tokens' ids, when the probe knows them (``answer_probe``)
 
     @property
     def scores(self) -> torch.Tensor:
@@ -120,10 +121,11 @@ class AttentionProbe:
             return self
         probs = tuple(p.reshape(*p.shape[:2], -1, k, p.shape[-1])[:, :, :, :n].reshape(*p.shape[:2], -1, p.shape[-1])
                       for p in self.probs)  # (B, H_kv, group × n, T): answer token fastest
-        return AttentionProbe(probs, n, n)
+        return AttentionProbe(probs, n, n, self.answer[:n])
 
     def row(self, b: int, start: int) -> AttentionProbe:
-        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens, self.lookahead)
+        return AttentionProbe(tuple(p[b:b + 1, :, :, start:] for p in self.probs), self.tokens, self.lookahead,
+                              self.answer)
 
 
 def _probe_tokens(p: KVPayload, probe_ids, n_probe: int) -> torch.Tensor:
@@ -241,7 +243,7 @@ def answer_probe(model, p: KVPayload, prompt_ids, lookahead: int, stop_ids: set[
     slots: where the answer looks, so a better guide to what to keep than the prompt (Lookahead Q-Cache's
     pseudo queries, arXiv 2505.20334). The rows are taken while the answer is decoded (one forward per
     token, eager attention), so the prompt is read once. ``probe.lookahead`` = ``probe.tokens`` = the
-    answer tokens (fewer when it stops); an empty answer falls back to the prompt's rows
+    answer tokens (fewer when it stops), ``probe.answer`` their ids; an empty answer falls back to the prompt's rows
     (``attention_probe``, ``lookahead`` 0)."""
     tokens, rows = _lookahead(model, p, prompt_ids, lookahead, stop_ids, rows=True)
     if not tokens:
@@ -249,7 +251,7 @@ def answer_probe(model, p: KVPayload, prompt_ids, lookahead: int, stop_ids: set[
     k = len(tokens)
     probs = tuple(torch.stack([r[j] for r in rows], dim=3).reshape(1, rows[0][j].shape[1], -1, p.num_tokens)
                   for j in range(len(p.keys)))  # (1, H_kv, group × k, T): answer token fastest
-    return AttentionProbe(probs, k, k)
+    return AttentionProbe(probs, k, k, tuple(tokens))
 
 
 def attention_scores(model, p: KVPayload, probe_ids=None, *, n_probe: int = 8) -> torch.Tensor:

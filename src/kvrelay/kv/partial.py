@@ -52,6 +52,9 @@ REQUEST_FORMAT = "kvrelay-partial-request/1"
 DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the cache (None: all)
 DEFAULT_POOL = 3  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
 DEFAULT_LOOKAHEAD = 8  # the sender's own answer tokens that score the cache (0: the question's)
+DEFAULT_VERIFY = False  # try VERIFY_CANDIDATES and send the one that best reproduces the look-ahead answer
+VERIFY_CANDIDATES = ((1, "headwise"), (3, "headwise"), (5, "headwise"),
+                     (1, "layerwise"), (3, "layerwise"), (5, "layerwise"))  # (pool, mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class PartialRequest:
     pool: int = DEFAULT_POOL  # max-pool scores over this many neighbouring slots (odd; 1: none)
     lookahead: int = DEFAULT_LOOKAHEAD  # score by the sender's first N answer tokens instead (0: by the question)
     backfill: bool = False  # correct the kept values for what the dropped ones gave the probe's rows (OBF)
+    verify: bool = DEFAULT_VERIFY  # the sender checks candidate selections against its look-ahead answer
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -113,6 +117,11 @@ class PartialRequest:
             raise InvalidInput(f"lookahead {self.lookahead!r}", "lookahead must be an int >= 0 (answer tokens)")
         if type(self.backfill) is not bool:
             raise InvalidInput(f"backfill {self.backfill!r}", "backfill must be true or false")
+        if type(self.verify) is not bool:
+            raise InvalidInput(f"verify {self.verify!r}", "verify must be true or false")
+        if self.verify and self.layers is not None:
+            raise InvalidInput("verify with a layer subset", "verify checks the whole cache the receiver reads: "
+                               "no layers= with verify=True")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -126,7 +135,7 @@ class PartialRequest:
              "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
              "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
              "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool,
-             "lookahead": self.lookahead, "backfill": self.backfill}
+             "lookahead": self.lookahead, "backfill": self.backfill, "verify": self.verify}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -138,7 +147,8 @@ class PartialRequest:
             budget = Budget(d["fraction"], d["top_k"], d["nbytes"])
             layers = tuple(d["layers"]) if d["layers"] is not None else None
             return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"],
-                       d.get("window"), d.get("pool", 1), d.get("lookahead", 0), d.get("backfill", False))
+                       d.get("window"), d.get("pool", 1), d.get("lookahead", 0), d.get("backfill", False),
+                       d.get("verify", False))
         except CorruptPayload:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -154,7 +164,9 @@ class PartialSelection:
     positions_kept: int  # slots per (layer, head) in the partial payload (full-attention layers)
     positions_total: int  # slots of the sender's payload
     score_s: float  # the probe forward over the question tokens
-    select_s: float  # top-k, gather and encoding
+    select_s: float  # top-k, gather and encoding (and, with ``verify``, checking the candidates)
+    pool: int = DEFAULT_POOL  # the pool and mode of the selection sent (with ``verify``: the one chosen)
+    mode: str = "headwise"
 
     @property
     def fraction(self) -> float:
@@ -186,7 +198,10 @@ def _keep_for(p, request: PartialRequest, n: int) -> float:
 def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | None = None) -> PartialSelection:
     """Score ``p`` (one unpadded row, every layer) by the request's question and keep what the budget allows.
 
-    ``model``: the sender's model (runs the probe); or pass ``probe`` measured already (``request_probe``).
+    ``model``: the sender's model (runs the probe, and checks the candidates with ``verify``); or pass
+    ``probe`` measured already (``request_probe``). With ``verify`` and a look-ahead answer, each of
+    ``VERIFY_CANDIDATES`` (the request's own pool and mode first) is selected under the same budget and
+    the one whose partial payload best reproduces the sender's answer (``answer_fit``) is sent.
     """
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
@@ -198,6 +213,24 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
         probe = request_probe(model, p, request)
     score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
+    options = [request]
+    if request.verify and probe.answer:
+        if model is None:
+            raise ValueError("verify checks candidates with the sender's model: pass model=")
+        options += [replace(request, pool=pool, mode=mode) for pool, mode in VERIFY_CANDIDATES
+                    if (pool, mode) != (request.pool, request.mode)]
+    best, best_fit = None, None
+    for r in options:
+        c, kept, n = _choose(p, r, probe)
+        fit = answer_fit(model, c.decompress(), request.question_ids, probe.answer) if len(options) > 1 else None
+        if best is None or fit > best_fit:
+            best, best_fit = (c, kept, n, r), fit
+    c, kept, n, r = best
+    return PartialSelection(c, kept, n, p.num_tokens, score_s, time.perf_counter() - t1, r.pool, r.mode)
+
+
+def _choose(p, request: PartialRequest, probe: AttentionProbe) -> tuple[Compressed, torch.Tensor, int]:
+    """One selection: (the partial payload as it travels, kept (L_sent, H_kv, T), slots per (layer, head))."""
     window = probe.lookahead or request.window  # the answer's rows when the sender looked ahead
     scores = probe.pooled(window=window, pool=request.pool)  # (L, 1, H_kv, T)
     T = p.num_tokens
@@ -221,7 +254,22 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
         if T_l < T:
             kept[j] = False
             kept[j, :, T - min(T_l, plan.shape[2]):] = True
-    return PartialSelection(c, kept, int(plan.shape[2]), T, score_s, time.perf_counter() - t1)
+    return c, kept, int(plan.shape[2])
+
+
+@torch.inference_mode()
+def answer_fit(model, part, question_ids, answer) -> tuple[int, float]:
+    """How well a (partial) payload reproduces ``answer`` after ``question_ids``, teacher-forced in one
+    forward: (answer tokens it predicts greedily, their summed log-probability); larger is better."""
+    from kvrelay.kv.cache import to_cache
+
+    ids = torch.tensor([list(question_ids) + list(answer)])  # (1, q + k)
+    start = int(part.next_positions[0])
+    logits = model(input_ids=ids, position_ids=(start + torch.arange(ids.shape[1]))[None],
+                   cache=to_cache(part, model.config), use_cache=True).logits[0].float()  # (q + k, V)
+    q, want = len(question_ids), torch.tensor(list(answer))
+    at = logits[q - 1:q - 1 + len(answer)]  # (k, V): the logits that predict each answer token
+    return int((at.argmax(-1) == want).sum()), float(at.log_softmax(-1).gather(1, want[:, None]).sum())
 
 
 def request_probe(model, p, request: PartialRequest) -> AttentionProbe:
