@@ -81,17 +81,18 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     again = rec.read_text().splitlines()
     assert again[: len(lines)] == lines and len(again) == 2 * len(lines)
     assert json.loads(out.read_text())["setup"] | {"pool": 5, "lookahead": 0} == json.loads(out.read_text())["setup"]
-    # records written before the verify and backfill fields ran without them: they still resume
-    old = [json.loads(x) for x in again]
-    for row in old:
-        row["setup"].pop("verify"), row["setup"].pop("backfill")
-    rec.write_text("".join(json.dumps(row) + "\n" for row in old))
-    r4 = CliRunner().invoke(app, argv)
-    assert r4.exit_code == 0 and len(rec.read_text().splitlines()) == len(again)
-    r5 = CliRunner().invoke(app, [*argv, "--verify"])  # verified selections: their own trials
-    assert r5.exit_code == 0, r5.output
+    assert json.loads(out.read_text())["setup"]["verify"] is True  # the default
+    r4 = CliRunner().invoke(app, [*argv, "--no-verify"])  # one selection, unchecked: its own trials
+    assert r4.exit_code == 0, r4.output
     assert len(rec.read_text().splitlines()) == 3 * len(lines)
-    assert json.loads(out.read_text())["setup"]["verify"] is True
+    # records written before the verify and backfill fields ran without them (both off): they still resume
+    old = [json.loads(x) for x in rec.read_text().splitlines()]
+    for row in old:
+        if row["setup"]["verify"] is False:
+            row["setup"].pop("verify"), row["setup"].pop("backfill")
+    rec.write_text("".join(json.dumps(row) + "\n" for row in old))
+    r5 = CliRunner().invoke(app, [*argv, "--no-verify"])
+    assert r5.exit_code == 0 and len(rec.read_text().splitlines()) == 3 * len(lines)
 
 
 def test_bench_partial_mistakes(tmp_path):

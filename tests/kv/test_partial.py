@@ -79,7 +79,7 @@ def test_selected_positions_keep_their_rope_phase(cases, arch, mode):
     lm, _, receiver, p = cases[arch]
     model = lm.model
     q_ids = receiver.prompt_ids("which code is blue")
-    req = PartialRequest(tuple(q_ids), Budget(fraction=0.6), mode=mode, sink=2, recent=3)
+    req = PartialRequest(tuple(q_ids), Budget(fraction=0.6), mode=mode, sink=2, recent=3, verify=False)
     sel = select(p, req, model=model)
     assert sel.positions_kept < p.num_tokens  # something was dropped
     part = sel.compressed.decompress()
@@ -161,7 +161,7 @@ def test_request_wire_round_trip_and_refusals():
     del older["backfill"]  # a request from before the field: no backfill
     assert PartialRequest.from_bytes(json.dumps(older).encode()).backfill is False
     for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0},
-                {"backfill": 1}, {"backfill": "yes"}, {"verify": 1}, {"verify": True, "layers": (0,)}):
+                {"backfill": 1}, {"backfill": "yes"}, {"verify": 1}):
         with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill|verify"):
             PartialRequest((1,), Budget(top_k=3), **bad)
     v = PartialRequest((5, 6, 7), Budget(fraction=0.25), verify=True)
@@ -198,6 +198,10 @@ def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, a
     no_answer = dataclasses.replace(probe, answer=())  # nothing to check against: the request's own choice
     plain = select(p, dataclasses.replace(req, verify=False), probe=no_answer)
     assert torch.equal(select(p, req, probe=no_answer).kept, plain.kept)
+    sub = dataclasses.replace(req, layers=(0, 1))  # a layer subset cannot be read whole: the request's own choice
+    got_sub = select(p, sub, model=lm.model, probe=probe)
+    assert (got_sub.pool, got_sub.mode) == (req.pool, req.mode)
+    assert torch.equal(got_sub.kept, select(p, dataclasses.replace(sub, verify=False), probe=probe).kept)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -209,7 +213,7 @@ def test_backfill_corrects_the_kept_values_for_the_answer_rows(cases, arch):
     lm, _, receiver, p = cases[arch]
     question = receiver.prompt_ids("what is the code")
     probe = answer_probe(lm.model, p, question, 4)
-    req = PartialRequest(tuple(question), Budget(fraction=0.4), lookahead=4)
+    req = PartialRequest(tuple(question), Budget(fraction=0.4), lookahead=4, verify=False)
     plain = select(p, req, probe=probe)
     fixed = select(p, dataclasses.replace(req, backfill=True), probe=probe)
     assert torch.equal(plain.kept, fixed.kept)
@@ -291,11 +295,11 @@ def test_lookahead_scores_by_the_sender_s_own_answer(cases, arch):
     got_rows = probe.pooled()
     torch.testing.assert_close(got_rows[full_layers], two_pass[full_layers], atol=1e-5, rtol=1e-4)
     assert not got_rows[[j for j in range(len(p.keys)) if j not in full_layers]].any()
-    request = PartialRequest(tuple(question), Budget(fraction=0.5), lookahead=4)
+    request = PartialRequest(tuple(question), Budget(fraction=0.5), lookahead=4, verify=False)  # one selection
     got = select(p, request, model=lm.model)
     by_answer = select(p, request, probe=probe)
     assert torch.equal(got.kept, by_answer.kept) and got.score_s > 0 and by_answer.score_s == 0
-    rows = select(p, PartialRequest(tuple(question), Budget(fraction=0.5), window=probe.lookahead),
+    rows = select(p, PartialRequest(tuple(question), Budget(fraction=0.5), window=probe.lookahead, verify=False),
                   probe=dataclasses.replace(probe, lookahead=0))  # the last N rows of the same probe
     assert torch.equal(got.kept, rows.kept)
     q_only = attention_probe(lm.model, p, question)

@@ -8,7 +8,10 @@ head, and keeps, per (layer, KV head), the sinks, the recent tail and the top-sc
 between (``evict.evict`` in ``headwise`` mode by default; sliding-window layers keep their whole
 window, ``evict.recent_floor``). With ``lookahead`` N > 0 (the default, 8) the sender first answers
 the question itself for N greedy tokens on its full cache and scores by those tokens' attention instead
-(``evict.answer_probe``): they look where the receiver's answer will look. The result travels through
+(``evict.answer_probe``): they look where the receiver's answer will look. With ``verify`` (the default)
+the sender makes that selection under each of ``VERIFY_CANDIDATES`` (pool widths and modes) and sends the
+one whose partial payload best reproduces its own look-ahead answer (``answer_fit``, teacher-forced);
+``backfill`` corrects the kept values by orthogonal backfill. The result travels through
 the codec chain (``kv.codecs``: an optional layer subset, then raw/fp16/int8/int4).
 
 Layout (``payload.py``): keys/values per held layer ``(B, H_kv, T_l, D)``, one unpadded row.
@@ -52,7 +55,7 @@ REQUEST_FORMAT = "kvrelay-partial-request/1"
 DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the cache (None: all)
 DEFAULT_POOL = 3  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
 DEFAULT_LOOKAHEAD = 8  # the sender's own answer tokens that score the cache (0: the question's)
-DEFAULT_VERIFY = False  # try VERIFY_CANDIDATES and send the one that best reproduces the look-ahead answer
+DEFAULT_VERIFY = True  # try VERIFY_CANDIDATES and send the one that best reproduces the look-ahead answer
 VERIFY_CANDIDATES = ((1, "headwise"), (3, "headwise"), (5, "headwise"),
                      (1, "layerwise"), (3, "layerwise"), (5, "layerwise"))  # (pool, mode)
 
@@ -101,6 +104,7 @@ class PartialRequest:
     lookahead: int = DEFAULT_LOOKAHEAD  # score by the sender's first N answer tokens instead (0: by the question)
     backfill: bool = False  # correct the kept values for what the dropped ones gave the probe's rows (OBF)
     verify: bool = DEFAULT_VERIFY  # the sender checks candidate selections against its look-ahead answer
+    # (with a look-ahead and every layer; a layer subset keeps the request's own pool and mode)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -119,9 +123,6 @@ class PartialRequest:
             raise InvalidInput(f"backfill {self.backfill!r}", "backfill must be true or false")
         if type(self.verify) is not bool:
             raise InvalidInput(f"verify {self.verify!r}", "verify must be true or false")
-        if self.verify and self.layers is not None:
-            raise InvalidInput("verify with a layer subset", "verify checks the whole cache the receiver reads: "
-                               "no layers= with verify=True")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -199,9 +200,10 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     """Score ``p`` (one unpadded row, every layer) by the request's question and keep what the budget allows.
 
     ``model``: the sender's model (runs the probe, and checks the candidates with ``verify``); or pass
-    ``probe`` measured already (``request_probe``). With ``verify`` and a look-ahead answer, each of
-    ``VERIFY_CANDIDATES`` (the request's own pool and mode first) is selected under the same budget and
-    the one whose partial payload best reproduces the sender's answer (``answer_fit``) is sent.
+    ``probe`` measured already (``request_probe``). With ``verify``, a look-ahead answer and every layer
+    travelling, each of ``VERIFY_CANDIDATES`` (the request's own pool and mode first) is selected under
+    the same budget and the one whose partial payload best reproduces the sender's answer (``answer_fit``)
+    is sent; otherwise the request's own pool and mode (``PartialSelection.pool``, ``.mode`` say which).
     """
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
@@ -214,7 +216,7 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
     options = [request]
-    if request.verify and probe.answer:
+    if request.verify and probe.answer and request.layers is None:  # the check reads every layer
         if model is None:
             raise ValueError("verify checks candidates with the sender's model: pass model=")
         options += [replace(request, pool=pool, mode=mode) for pool, mode in VERIFY_CANDIDATES
