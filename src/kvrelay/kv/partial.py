@@ -216,7 +216,8 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     score_s = 0.0 if given else time.perf_counter() - t0
     t1 = time.perf_counter()
     options = [request]
-    if request.verify and probe.answer and request.layers is None:  # the check reads every layer
+    everything = request.budget.nbytes is None and request.budget.positions(p.num_tokens) >= p.num_tokens
+    if request.verify and probe.answer and request.layers is None and not everything:  # reads every layer
         if model is None:
             raise ValueError("verify checks candidates with the sender's model: pass model=")
         options += [replace(request, pool=pool, mode=mode) for pool, mode in VERIFY_CANDIDATES
