@@ -130,6 +130,7 @@ NOT_RUN = {
     ("bench", "pipeline", "--ray-address"): "needs an existing Ray cluster",
     ("bench", "connector", "--lmcache"): "needs vLLM's environment (make peers-vllm) and minutes to start it; "
                                          "refusal and peer commands: tests/bench/test_bench_connector.py",
+    ("bench", "partial", "--no-verify"): "with --records, resumed and summarized: tests/bench/test_partial_bench.py",
     ("respond", "--key"): "the key is printed by `read --store` at run time: tests/cli/test_payload_cli.py",
     ("respond", "--store"): "with --key: tests/cli/test_payload_cli.py",
     ("respond", "--max-bytes"): "a receiver byte budget, refused and admitted: tests/cli/test_payload_cli.py",
