@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     from kvrelay.audit.runner import RECEIVER_ROLE, SENDER_ROLE
     from kvrelay.audit.tasks import load_tasks
     from kvrelay.audit.tasks.scoring import score
-    from kvrelay.kv.evict import answer_probe, attention_probe, lookahead_ids
+    from kvrelay.kv.evict import answer_probe, attention_probe
     from kvrelay.kv.partial import Budget
     from kvrelay.models.loader import load_model
 
@@ -155,18 +155,15 @@ def main(argv=None) -> int:
         longest = answer_probe(sender.model, payload, question, max(need)) if max(need) else None
         probes = {n: longest.answer_prefix(n) if n else attention_probe(sender.model, payload, question)
                   for n in need}
-        answers = {n: lookahead_ids(sender.model, payload, question, n) for n in {v[3] for v in variants if "span" in v[4]}}
         for w, pool, mode, n, how in variants:
-            if how in CANDIDATES:
-                if n not in answers:
-                    answers[n] = lookahead_ids(sender.model, payload, question, n)
+            if how in CANDIDATES:  # the probe carries its look-ahead answer (no second decode)
                 part = verified(sender, payload, question, probes[n], Budget(fraction=a.budget), CANDIDATES[how],
-                                answers[n])
+                                probes[n].answer)
                 r = receiver.respond(task.prompt, part)
                 rows.setdefault(name(w, pool, mode, n, how), []).append(score(task, r.text))
                 same.setdefault(name(w, pool, mode, n, how), []).append(r.token_ids == full.token_ids)
                 continue
-            probe = reweight(probes[n], how, payload, probes.get(0), answers.get(n)) if how else probes[n]
+            probe = reweight(probes[n], how, payload, probes.get(0), list(probes[n].answer)) if how else probes[n]
             o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=a.budget), probe=probe,
                               window=w, pool=pool, mode=mode, lookahead=n, backfill="backfill" in how.split("+"),
                               verify=False)
