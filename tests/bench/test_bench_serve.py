@@ -24,7 +24,7 @@ def result():
 
 def test_every_strategy_reports_the_contract(result):
     rows = {r["name"]: r for r in result["strategies"]}
-    assert list(rows) == [s for s in STRATEGIES if s != "transformers_serve"]
+    assert list(rows) == [s for s in STRATEGIES if not s.startswith("transformers_serve")]
     for name in KVRELAY_STRATEGIES:
         r = rows[name]
         assert FIELDS <= set(r) and r["run"] and r["workflows"] == 3 and r["requests"] == 9
@@ -123,6 +123,19 @@ def test_text_hand_offs_as_a_conversation_extend_the_previous_request_and_as_rol
     assert last.index("DOC") < last.index("a summary") < last.index("Ann and Bo") < last.index(turns[2])
     with pytest.raises(ValueError, match="prompts"):
         text_messages("other", turns, ())
+
+
+def test_peer_strategies_write_hand_offs_as_their_names_say():
+    """Each peer has a ``…_prefix_arranged`` strategy (the conversation re-sent: its prefix cache's best case)
+    and a plain one (each agent's own prompt, as agents usually write them); both send standard fields only."""
+    from kvrelay.bench.serve import ARRANGED, peer_route
+
+    peers = [s for s in STRATEGIES if s not in KVRELAY_STRATEGIES]
+    assert {s.removesuffix(ARRANGED) for s in peers} == {"transformers_serve", "vllm"}
+    for name in peers:
+        route = peer_route(name, "http://x", "m")
+        assert not route.relay and not route.extensions and route.model() == "m"
+        assert route.prompts == ("conversation" if name.endswith(ARRANGED) else "roles")
 
 
 def test_vllm_prefix_cache_counters_are_read_from_its_metrics():

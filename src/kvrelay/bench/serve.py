@@ -17,16 +17,20 @@ Strategies (``STRATEGIES``), all on the same tasks:
   model falls back to text: the response says ``incompatible``).
 * ``always_smallest`` / ``always_largest`` — one model (by parameter count), with handles.
 * ``always_text`` — the largest model, no handles: each agent re-sends the whole conversation.
-* ``transformers_serve`` — ``transformers serve --continuous-batching`` on the largest model,
-  started by the benchmark on loopback, text hand-offs as in ``always_text``.
-* ``vllm`` — vLLM's CPU build (bf16, automatic prefix caching) on the largest model, text hand-offs
+* ``transformers_serve`` — ``transformers serve --continuous-batching`` (fp32, a paged cache that
+  shares prefix blocks) on the largest model, started by the benchmark on loopback, text hand-offs
   written the common way: each agent its own system prompt, then one message with the transcript of
   the earlier turns (``prompts="roles"``), so consecutive requests share no prefix to reuse.
-* ``vllm_prefix_arranged`` — the same server with the requests of ``always_text`` (one system prompt,
-  the whole conversation re-sent, ``prompts="conversation"``): each request extends the previous one's
-  prompt and answer token for token, vLLM's best case. Both are reported as not run unless its
+* ``transformers_serve_prefix_arranged`` — the same server with the requests of ``always_text`` (one
+  system prompt, the whole conversation re-sent, ``prompts="conversation"``): each request extends the
+  previous one's prompt and answer token for token, the best case of its prefix sharing.
+* ``vllm`` / ``vllm_prefix_arranged`` — the same two ways of writing hand-offs through vLLM's CPU build
+  (bf16, automatic prefix caching) on the largest model. Both are reported as not run unless its
   optional environment exists (``bench.peer_servers.vllm_python``); their rows record vLLM's
   prefix-cache hit rate over the strategy (``prefix_cache_hit_rate``, from its ``/metrics``).
+
+Each peer strategy starts its own server (``peer_start_s`` in its row says how long it took to answer), so
+no peer strategy finds in a prefix cache the documents another one read.
 
 Before the timed workflows each server answers one untimed workflow on another task (``warm_up``): through
 every model of kvrelay's pool, and through each peer before its strategies, so no strategy pays a cold
@@ -66,7 +70,8 @@ from kvrelay.bench.quiet import load1, load_status
 from kvrelay.core.errors import InvalidInput, PeerUnavailable
 
 STRATEGIES = ("scheduler", "round_robin", "always_smallest", "always_largest", "always_text", "transformers_serve",
-              "vllm", "vllm_prefix_arranged")
+              "transformers_serve_prefix_arranged", "vllm", "vllm_prefix_arranged")
+ARRANGED = "_prefix_arranged"  # a peer strategy with this suffix re-sends the conversation (prompts="conversation")
 KVRELAY_STRATEGIES = STRATEGIES[:5]
 READER = "You are a careful reader. Read the document."
 ROLES = (READER, "You are a checker. You check which holders a document gives access codes for.",
@@ -295,26 +300,32 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
              ("vllm", vllm_available(), lambda: vllm_serve(folder, large, config.threads))]
     for peer, missing, command in peers:
         names = [n for n in STRATEGIES if n.startswith(peer) and n in config.strategies]
-        if not names:
-            continue
-        if folder is None or missing:
+        if names and (folder is None or missing):
             for n in names:
                 rows[n] = not_run(n, missing or f"{large} is not a model folder")
             continue
-        progress(f"{peer}: starting it on {large}")
-        server = PeerServer(command())
-        try:
-            with server as peer_url:
-                for n in names:
+        for n in names:  # a fresh server per strategy: no prefix cache carries documents between strategies
+            progress(f"{n}: starting {peer} on {large}")
+            server = PeerServer(command())
+            try:
+                t0 = time.perf_counter()
+                with server as peer_url:
+                    started = time.perf_counter() - t0
                     progress(f"{n}: {config.workflows} workflows, {config.clients} clients")
-                    rows[n] = _peer_strategy(n, peer_url, folder, large, tasks, config)
+                    rows[n] = _peer_strategy(n, peer_url, folder, large, tasks, config) | {"peer_start_s": started}
                     checkpoint(_result(config, rows, small, large) | {"complete": False})
-        except (PeerUnavailable, httpx.HTTPError) as err:  # reported, not fatal: kvrelay's figures stand alone
-            why = f"{type(err).__name__}: {err}" + (f"; {server.died()}" if server.died() else "") + \
-                f"; its log ends: {server.log_tail(300)!r}"
-            for n in names:
+            except (PeerUnavailable, httpx.HTTPError) as err:  # reported, not fatal: kvrelay's figures stand alone
+                why = f"{type(err).__name__}: {err}" + (f"; {server.died()}" if server.died() else "") + \
+                    f"; its log ends: {server.log_tail(300)!r}"
                 rows.setdefault(n, not_run(n, why))
     return _result(config, rows, small, large)
+
+
+def peer_route(name: str, url: str, served: str) -> Route:
+    """How peer strategy ``name`` writes its requests: standard fields only, text hand-offs as a re-sent
+    conversation for the ``…_prefix_arranged`` strategies, as each agent's own prompt otherwise."""
+    return Route(url, lambda: served, False, extensions=False,
+                 prompts="conversation" if name.endswith(ARRANGED) else "roles")
 
 
 def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequence[Task],
@@ -324,7 +335,7 @@ def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequenc
 
     vllm = name.startswith("vllm")
     served = large if vllm else str(folder)  # transformers serve answers to the folder it loaded
-    route = Route(url, lambda: served, False, extensions=False, prompts="roles" if name == "vllm" else "conversation")
+    route = peer_route(name, url, served)
     warm_up(route, config)
     counts = prefix_cache_counts(httpx.get(url + "/metrics", timeout=10).text) if vllm else None
     before = load1()

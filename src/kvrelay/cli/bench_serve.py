@@ -44,7 +44,8 @@ def bench_serve_cmd(
     audits: str = typer.Option(None, help="comma-separated kvrelay audit folders for the scheduler's value model "
                                "(kvrelay serve --audits)"),
     strategies: str = typer.Option(",".join(("scheduler", "round_robin", "always_smallest", "always_largest",
-                                             "always_text", "transformers_serve", "vllm", "vllm_prefix_arranged")),
+                                             "always_text", "transformers_serve", "transformers_serve_prefix_arranged",
+                                             "vllm", "vllm_prefix_arranged")),
                                    help="which strategies to run (comma-separated)"),
     seed: int = typer.Option(0, help="task seed"),
     single: bool = typer.Option(False, "--single", help="each workflow is one plain chat request (the document and "
