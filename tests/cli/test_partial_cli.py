@@ -25,6 +25,7 @@ def test_relay_partial_all_positions_equals_full_relay(tmp_path):
     p = d["partial"]
     assert p["identical_to_kv"] and p["answer"] == d["kv_answer"]
     assert p["positions_kept"] == p["positions_total"] == d["context_tokens"]
+    assert p["candidates_checked"] == 0  # everything travels: nothing to choose between
     assert p["request_bytes"] > 0 and p["hop_s"] > 0 and p["ttft_s"] >= p["receiver_ttft_s"]
 
 
@@ -33,6 +34,7 @@ def test_relay_partial_quarter_int8_moves_fewer_bytes(tmp_path):
     assert r.exit_code == 0, r.output
     p = d["partial"]
     assert p["positions_kept"] < p["positions_total"] and p["bytes"] < d["payload_bytes"] / 4
+    assert 1 <= p["candidates_checked"] <= 6 and p["mode"] in ("headwise", "layerwise") and p["pool"] in (1, 3, 5)
 
 
 def test_relay_partial_mistakes_are_one_line(tmp_path):

@@ -193,6 +193,17 @@ def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, a
     fit, chosen = fits[got.pool, got.mode]
     assert fit == max(f[0] for f in fits.values())
     assert torch.equal(got.kept, chosen.kept)
+    own = (req.pool, req.mode)
+    order = [own] + [c for c in VERIFY_CANDIDATES if c != own]  # the request's own choice is read first
+    distinct = []  # candidates keeping the same positions are read once
+    for c in order:
+        if not any(torch.equal(fits[c][1].kept, k) for k in distinct):
+            distinct.append(fits[c][1].kept)
+    assert got.checked == len(distinct)
+    first_best = next(c for c in order if fits[c][0] == fit)  # ties go to the earlier candidate
+    assert torch.equal(got.kept, fits[first_best][1].kept)
+    tiny = select(p, dataclasses.replace(req, budget=Budget(fraction=0.01)), model=lm.model, probe=probe)
+    assert tiny.checked == 1 and (tiny.pool, tiny.mode) == own  # only the sinks and the recent tail: one selection
     with pytest.raises(ValueError, match="pass model="):
         select(p, req, probe=probe)
     no_answer = dataclasses.replace(probe, answer=())  # nothing to check against: the request's own choice
@@ -202,6 +213,27 @@ def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, a
     got_sub = select(p, sub, model=lm.model, probe=probe)
     assert (got_sub.pool, got_sub.mode) == (req.pool, req.mode)
     assert torch.equal(got_sub.kept, select(p, dataclasses.replace(sub, verify=False), probe=probe).kept)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_answer_fit_reads_the_logits_that_predict_each_answer_token(cases, arch):
+    """``answer_fit`` keeps only the logits it needs; they are a full forward's, position by position:
+    the answer's i-th token is predicted at the position before it (the question's last for the first)."""
+    from kvrelay.kv.partial import answer_fit
+    from kvrelay.models.generate import forward_all
+
+    lm, _, receiver, p = cases[arch]
+    question = receiver.prompt_ids("what is the code")
+    for answer in ([5, 9, 5, 12], [7]):
+        ids = torch.tensor([question + answer])
+        start = int(p.next_positions[0])
+        logits = forward_all(lm.model, ids, (start + torch.arange(ids.shape[1]))[None], to_cache(p, lm.model.config),
+                             None)[0]  # (q + k, V)
+        at = logits[len(question) - 1:-1]  # (k, V)
+        want = torch.tensor(answer)
+        hits, logprob = answer_fit(lm.model, p, question, answer)
+        assert hits == int((at.argmax(-1) == want).sum())
+        assert logprob == pytest.approx(float(at.log_softmax(-1).gather(1, want[:, None]).sum()), rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -192,6 +192,8 @@ def relay(
                              "identical_to_kv": part.response.token_ids == kv.token_ids,
                              "positions_kept": part.selection.positions_kept,
                              "positions_total": part.selection.positions_total,
+                             "pool": part.selection.pool, "mode": part.selection.mode,
+                             "candidates_checked": part.selection.checked,
                              "bytes": part.hop.reply_bytes, "ttft_s": part.ttft_s,
                              "receiver_ttft_s": part.response.ttft_s, **part.hop.to_json()}
     t = Table(title=f"relay on {model} ({layout}, {payload.num_tokens} context tokens)")

@@ -168,6 +168,7 @@ class PartialSelection:
     select_s: float  # top-k, gather and encoding (and, with ``verify``, checking the candidates)
     pool: int = DEFAULT_POOL  # the pool and mode of the selection sent (with ``verify``: the one chosen)
     mode: str = "headwise"
+    checked: int = 0  # candidate payloads read with the sender's model (``verify``; one per distinct selection)
 
     @property
     def fraction(self) -> float:
@@ -204,6 +205,8 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     travelling, each of ``VERIFY_CANDIDATES`` (the request's own pool and mode first) is selected under
     the same budget and the one whose partial payload best reproduces the sender's answer (``answer_fit``)
     is sent; otherwise the request's own pool and mode (``PartialSelection.pool``, ``.mode`` say which).
+    A candidate that keeps the same positions as an earlier one is not read again (``.checked`` counts
+    the candidates read); on equal fits the earlier candidate is sent.
     """
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
@@ -222,14 +225,18 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
             raise ValueError("verify checks candidates with the sender's model: pass model=")
         options += [replace(request, pool=pool, mode=mode) for pool, mode in VERIFY_CANDIDATES
                     if (pool, mode) != (request.pool, request.mode)]
-    best, best_fit = None, None
+    best, best_fit, seen = None, None, []
     for r in options:
         c, kept, n = _choose(p, r, probe)
+        if any(torch.equal(kept, k) for k in seen):  # the same positions as an earlier candidate: the same fit
+            continue
+        seen.append(kept)
         fit = answer_fit(model, c.decompress(), request.question_ids, probe.answer) if len(options) > 1 else None
         if best is None or fit > best_fit:
             best, best_fit = (c, kept, n, r), fit
     c, kept, n, r = best
-    return PartialSelection(c, kept, n, p.num_tokens, score_s, time.perf_counter() - t1, r.pool, r.mode)
+    checked = len(seen) if len(options) > 1 else 0
+    return PartialSelection(c, kept, n, p.num_tokens, score_s, time.perf_counter() - t1, r.pool, r.mode, checked)
 
 
 def _choose(p, request: PartialRequest, probe: AttentionProbe) -> tuple[Compressed, torch.Tensor, int]:
@@ -267,11 +274,12 @@ def answer_fit(model, part, question_ids, answer) -> tuple[int, float]:
     from kvrelay.kv.cache import to_cache
 
     ids = torch.tensor([list(question_ids) + list(answer)])  # (1, q + k)
-    start = int(part.next_positions[0])
+    start, k = int(part.next_positions[0]), len(answer)
     logits = model(input_ids=ids, position_ids=(start + torch.arange(ids.shape[1]))[None],
-                   cache=to_cache(part, model.config), use_cache=True).logits[0].float()  # (q + k, V)
-    q, want = len(question_ids), torch.tensor(list(answer))
-    at = logits[q - 1:q - 1 + len(answer)]  # (k, V): the logits that predict each answer token
+                   cache=to_cache(part, model.config), use_cache=True,
+                   logits_to_keep=k + 1).logits[0].float()  # (k + 1, V): from the question's last token on
+    want = torch.tensor(list(answer))
+    at = logits[:k]  # (k, V): the logits that predict each answer token
     return int((at.argmax(-1) == want).sum()), float(at.log_softmax(-1).gather(1, want[:, None]).sum())
 
 
