@@ -71,6 +71,11 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     by = {row["method"]: row for row in d["rows"] if row["budget"] == 0.25}
     assert by["receiver_driven+int8"]["bytes"] < by["receiver_driven"]["bytes"] < by["receiver_driven"]["bytes"] * 4
     assert d["command"].startswith("kvrelay bench partial") and "load1_before" in d["load_average"]
+    for row in d["rows"]:  # the partial rows say what of their TTFT was the sender's scoring and selecting
+        partial = row["method"].startswith(("receiver_driven", "evict_agnostic"))
+        assert (row["probe_s"] is not None and row["select_s"] is not None) == partial
+        if partial:
+            assert 0 < row["probe_s"] + row["select_s"] < row["ttft_s"]
     lines = rec.read_text().splitlines()
     r2 = CliRunner().invoke(app, argv)  # resumed: nothing rerun, same rows
     assert r2.exit_code == 0 and rec.read_text().splitlines() == lines
@@ -90,9 +95,11 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     for row in old:
         if row["setup"]["verify"] is False:
             row["setup"].pop("verify"), row["setup"].pop("backfill")
+        row.pop("probe_s"), row.pop("select_s")  # and before the hop's parts were recorded
     rec.write_text("".join(json.dumps(row) + "\n" for row in old))
     r5 = CliRunner().invoke(app, [*argv, "--no-verify"])
     assert r5.exit_code == 0 and len(rec.read_text().splitlines()) == 3 * len(lines)
+    assert all(row["select_s"] is None for row in json.loads(out.read_text())["rows"])  # not recorded: not 0
 
 
 def test_bench_partial_mistakes(tmp_path):

@@ -63,6 +63,12 @@ class Trial:
     sender_s: float
     kept: float  # fraction of positions actually kept (sinks and recent tail are never dropped)
     context_tokens: int
+    # of ttft_s, for the partial methods (None for the others, and in records written before these fields):
+    probe_s: float | None = None  # the sender's look-ahead decode and probe forward (once per task and method)
+    select_s: float | None = None  # selecting, and with verify checking the candidates (PartialHop.select_s)
+
+
+OPTIONAL = ("probe_s", "select_s")  # Trial fields that records may lack
 
 
 def _method_name(base: str, encoding: str) -> str:
@@ -79,8 +85,10 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
     T = payload.num_tokens
     out = []
 
-    def trial(method: str, budget: float, r, nbytes: int, ttft: float, sender_s: float = 0.0, kept: float = 1.0):
-        out.append(Trial(task.id, task_set, method, budget, score(task, r.text), nbytes, ttft, sender_s, kept, T))
+    def trial(method: str, budget: float, r, nbytes: int, ttft: float, sender_s: float = 0.0, kept: float = 1.0,
+              probe_s: float | None = None, select_s: float | None = None):
+        out.append(Trial(task.id, task_set, method, budget, score(task, r.text), nbytes, ttft, sender_s, kept, T,
+                         probe_s, select_s))
 
     if FULL in methods:
         r = receiver.respond(task.prompt, payload)
@@ -99,7 +107,7 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
                 o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=b), probe=probe,
                                   encoding=enc, **(scoring or {}))
                 trial(_method_name(base, enc), b, o.response, o.hop.reply_bytes, o.ttft_s + probe_s,
-                      kept=o.selection.fraction)
+                      kept=o.selection.fraction, probe_s=probe_s, select_s=o.hop.select_s)
     if "text_full" in methods:
         r = receiver.respond(task.prompt, payload.token_ids)
         trial("text_full", 1.0, r, len(task.context.encode()), r.ttft_s)
@@ -169,12 +177,19 @@ def summarize(trials: Sequence[Trial]) -> list[dict]:
             "delta_vs_full": float(diff.mean()) if len(diff) else None, "delta_ci_low": dlo, "delta_ci_high": dhi,
             "ttft_s": statistics.median(t.ttft_s for t in mine),
             "sender_s": statistics.median(t.sender_s for t in mine),
+            **{f: _median(getattr(t, f) for t in mine) for f in OPTIONAL},
             "n": len(mine), "task_sets": sorted({t.task_set for t in mine}),
         })
     _versus(rows, trials)
     order = {m: i for i, m in enumerate(METHODS)}
     rows.sort(key=lambda r: (order.get(r["method"].split("+")[0], 99), r["method"], r["budget"]))
     return rows
+
+
+def _median(values) -> float | None:
+    """The median of the values recorded (None where no trial recorded one)."""
+    have = [v for v in values if v is not None]
+    return statistics.median(have) if have else None
 
 
 def _versus(rows: list[dict], trials: Sequence[Trial]) -> None:
@@ -206,12 +221,13 @@ def select_trials(rows: Sequence[dict], setup: dict, where: object = "records") 
     """The :func:`trial_row` rows run with exactly ``setup``, as trials (others are left alone); a row that
     lacks a field of ``SETUP_DEFAULTS`` ran with its default."""
     fields = set(Trial.__dataclass_fields__)
+    needed = fields - set(OPTIONAL)
     out = []
     for i, row in enumerate(rows, 1):
-        if not fields <= set(row) or "setup" not in row:
-            raise ValueError(f"{where}: line {i}: expected a bench partial trial with setup and {sorted(fields)}")
+        if not needed <= set(row) or "setup" not in row:
+            raise ValueError(f"{where}: line {i}: expected a bench partial trial with setup and {sorted(needed)}")
         if {**SETUP_DEFAULTS, **row["setup"]} == {**SETUP_DEFAULTS, **setup}:
-            out.append(Trial(**{f: row[f] for f in fields}))
+            out.append(Trial(**{f: row[f] for f in fields if f in row}))
     return out
 
 
