@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from kvrelay.bench.serve import KVRELAY_STRATEGIES, STRATEGIES, ServeBenchConfig, bench_serve, dominated  # noqa: E402
+from kvrelay.core.errors import InvalidInput  # noqa: E402
 
 FIELDS = {"name", "p50_s", "p99_s", "throughput_rps", "accuracy", "ci_low", "ci_high"}
 
@@ -55,6 +56,30 @@ def test_round_robin_hands_caches_across_models_and_falls_back(result):
     rr = next(r for r in result["strategies"] if r["name"] == "round_robin")
     assert rr["fallbacks"].get("incompatible", 0) > 0
     assert set(rr["models_used"]) == {"tiny:qwen2", "tiny:llama"}
+
+
+def test_shared_regime_workflows_alternate_with_private_ones_and_relay_writes_what_text_writes():
+    """With both regimes, ARC-Challenge workflows (the answerer is asked the whole problem again) alternate
+    with the generated-document ones; each row reports each regime on its own, and relaying the cache still
+    writes what re-sending the conversation writes."""
+    cfg = ServeBenchConfig(models=("tiny:qwen2", "tiny:llama"), workflows=2, clients=2, doc_tokens=96, max_tokens=6,
+                           slo_s=30.0, strategies=("always_largest", "always_text"), regimes=("private", "shared"))
+    res = bench_serve(cfg)
+    assert res["regimes"] == ["private", "shared"] and "arc_challenge (shared regime)" in res["task_set"]
+    rows = {r["name"]: r for r in res["strategies"]}
+    relay, text = rows["always_largest"], rows["always_text"]
+    assert [r["regime"] for r in relay["records"]] == ["private", "shared", "private", "shared"]
+    assert [r["task"] for r in relay["records"]][1].startswith("arc_challenge/")
+    for row in (relay, text):
+        assert set(row["by_regime"]) == {"private", "shared"}
+        assert all(g["workflows"] == 2 and 0 <= g["accuracy"] <= 1 for g in row["by_regime"].values())
+    assert relay["relay_hits"] == 8 and [r["answer"] for r in relay["records"]] == [r["answer"] for r in text["records"]]
+    shared = relay["records"][1]["steps"]  # the answerer re-reads the problem in its own turn
+    assert shared[2]["prompt_tokens"] - shared[2]["relayed_tokens"] > shared[1]["prompt_tokens"] - shared[1]["relayed_tokens"]
+    with pytest.raises(InvalidInput, match="regimes"):
+        ServeBenchConfig(models=("tiny:qwen2",), regimes=("private", "private"))
+    with pytest.raises(InvalidInput, match="regimes"):
+        ServeBenchConfig(models=("tiny:qwen2",), regimes=("public",))
 
 
 def test_domination_needs_no_worse_on_both_and_better_on_one():

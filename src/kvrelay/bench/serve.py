@@ -1,10 +1,13 @@
 """``kvrelay bench serve``: multi-agent workflows through an OpenAI-compatible HTTP API, by N clients.
 
-A workflow is three agents over one audit task of the private regime (``audit.tasks.generate``:
+A workflow is three agents over one audit task (``regimes``). Private regime (``audit.tasks.generate``:
 a facility log with one access code the last agent is asked for; the document reaches the first
-agent only). The reader reads the document and summarises it, the checker names the holders it
-gives codes for, the answerer answers the task's question; its answer is scored with the task's
-scorer (``audit.tasks.score``). ``clients`` threads take workflows from one list, so up to
+agent only): the reader reads the document and summarises it, the checker names the holders it
+gives codes for, the answerer answers the task's question. Shared regime (ARC-Challenge, in the
+audit's order): the reader reads the problem and restates it, the checker names the choices it rules
+out, the answerer is asked the whole problem again and answers with a letter — it needs nothing the
+earlier agents read. The last answer is scored with the task's scorer (``audit.tasks.score``); with
+both regimes their workflows alternate, and each row also reports each regime on its own. ``clients`` threads take workflows from one list, so up to
 ``clients`` workflows run at once, each agent's request after the previous one's answer. ``single``:
 each workflow is instead one plain chat request — the document and the question, no hand-off — which
 measures what the gateway itself costs against a peer server when nothing is relayed.
@@ -79,6 +82,11 @@ ROLES = (READER, "You are a checker. You check which holders a document gives ac
 AGENTS = ("reader", "checker", "answerer")
 TURNS = ("Summarize the document above in one sentence.",
          "Which holders does the document give an access code for? Name two.")
+REGIMES = ("private", "shared")
+SHARED_SET = "arc_challenge"  # the shared regime's workflows: the audit's ARC-Challenge tasks, in its order
+SHARED_TURNS = ("Restate the problem above in one sentence.", "Which choices can be ruled out? Name them.")
+SHARED_ROLES = (READER, "You are a checker. You rule out wrong choices of a multiple-choice problem.",
+                "You answer multiple-choice problems with the letter of the correct choice.")
 PROMPTS = ("conversation", "roles")  # how text hand-offs are written (``text_messages``)
 
 
@@ -99,8 +107,12 @@ class ServeBenchConfig:
     audits: tuple[Path, ...] = ()  # the scheduler's value models (serve.scheduler.fit_value_models)
     single: bool = False  # each workflow is one plain chat request (document + question): no hand-off
     batch: bool = False  # kvrelay's replicas answer concurrent requests together (serve.batcher)
+    regimes: tuple[str, ...] = ("private",)  # REGIMES: whose workflows run (``workflows`` of each)
 
     def __post_init__(self):
+        if not self.regimes or len(set(self.regimes)) != len(self.regimes) or set(self.regimes) - set(REGIMES):
+            raise InvalidInput(f"regimes {', '.join(self.regimes) or '(none)'}",
+                               f"one or both of {', '.join(REGIMES)}, each once")
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
             raise InvalidInput(f"unknown strategies {', '.join(bad)}", f"some of {', '.join(STRATEGIES)}")
@@ -131,7 +143,8 @@ class Route:
             raise ValueError(f"prompts must be one of {PROMPTS}, got {self.prompts!r}")
 
 
-def text_messages(prompts: str, turns: Sequence[str], answers: Sequence[str]) -> list[dict]:
+def text_messages(prompts: str, turns: Sequence[str], answers: Sequence[str],
+                  roles: Sequence[str] = ROLES) -> list[dict]:
     """The messages the agent at turn ``len(answers)`` sends when hand-offs are text.
 
     ``conversation``: the reader's system prompt and the whole conversation so far, so each request's
@@ -148,7 +161,7 @@ def text_messages(prompts: str, turns: Sequence[str], answers: Sequence[str]) ->
         return msgs + [{"role": "user", "content": turns[k]}]
     if prompts == "roles":
         said = [f"The {AGENTS[i]} was asked: {turns[i]}\nThe {AGENTS[i]} answered: {answers[i]}" for i in range(k)]
-        return [{"role": "system", "content": ROLES[k]},
+        return [{"role": "system", "content": roles[k]},
                 {"role": "user", "content": "\n\n".join([*said, turns[k]])}]
     raise ValueError(f"prompts must be one of {PROMPTS}, got {prompts!r}")
 
@@ -163,7 +176,12 @@ def _post(client, url: str, body: dict) -> dict:
 def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = False) -> dict:
     """The three agents of one workflow (``single``: one request with the document and the question); a
     record with its latency, score and what each request did."""
-    turns = [f"{task.context}\n\n{task.prompt}"] if single else [f"{task.context}\n\n{TURNS[0]}", TURNS[1], task.prompt]
+    shared = task.regime == "shared"  # the prompt holds the whole problem
+    lead, roles = (SHARED_TURNS, SHARED_ROLES) if shared else (TURNS, ROLES)
+    if single:
+        turns = [task.prompt if shared else f"{task.context}\n\n{task.prompt}"]
+    else:
+        turns = [f"{task.context}\n\n{lead[0]}", lead[1], task.prompt]
     answers: list[str] = []
     handle = None
     steps = []
@@ -178,7 +196,7 @@ def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = Fa
             if route.slo_s is not None:
                 body["kv_slo_s"] = route.slo_s
         else:
-            body["messages"] = text_messages(route.prompts, turns, answers)
+            body["messages"] = text_messages(route.prompts, turns, answers, roles)
             if route.extensions:
                 body["kv_handle"] = False  # store no cache: nothing will continue from it
         t = time.perf_counter()
@@ -193,7 +211,7 @@ def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = Fa
                       "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])],
                       "channel": (ext.get("scheduler") or {}).get("channel"),
                       "reason": (ext.get("scheduler") or {}).get("reason")})
-    return {"task": task.id, "e2e_s": time.perf_counter() - t0, "score": score(task, answer), "answer": answer,
+    return {"task": task.id, "regime": task.regime, "e2e_s": time.perf_counter() - t0, "score": score(task, answer), "answer": answer,
             "steps": steps}
 
 
@@ -229,7 +247,19 @@ def summarize(name: str, records: Sequence[dict], wall_s: float, load: Sequence[
             "left_out": ctx.count("none"),
             "models_used": {m: sum(s["model"] == m for r in records for s in r["steps"])
                             for m in sorted({s["model"] for r in records for s in r["steps"]})},
-            "load1_before": load[0], "load1_after": load[1]}
+            "load1_before": load[0], "load1_after": load[1], "by_regime": by_regime(records)}
+
+
+def by_regime(records: Sequence[dict]) -> dict[str, dict]:
+    """Per regime in the records: its workflows, p50 end-to-end latency and accuracy (95% BCa)."""
+    out = {}
+    for regime in REGIMES:
+        mine = [r for r in records if r.get("regime", "private") == regime]
+        if mine:
+            ci = bca_ci([r["score"] for r in mine], seed=0)
+            out[regime] = {"workflows": len(mine), "p50_s": float(np.percentile([r["e2e_s"] for r in mine], 50)),
+                           "accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high}
+    return out
 
 
 def not_run(name: str, reason: str) -> dict:
@@ -253,6 +283,16 @@ def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
 
 # -- peers ---------------------------------------------------------------------------------------
 # -- the benchmark ---------------------------------------------------------------------------------
+def workflow_tasks(config: ServeBenchConfig) -> list[Task]:
+    """``config.workflows`` tasks per regime; with both, private and shared workflows alternate."""
+    from kvrelay.audit.tasks import load_tasks
+
+    by = {"private": lambda: generate(config.workflows, config.seed, doc_tokens=config.doc_tokens),
+          "shared": lambda: load_tasks(SHARED_SET, limit=config.workflows)}
+    lists = [by[r]() for r in config.regimes]
+    return [t for group in zip(*lists, strict=True) for t in group]
+
+
 def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = lambda s: None,
                 checkpoint: Callable[[dict], None] = lambda res: None) -> dict:
     """Every strategy of ``config`` on the same workflows. ``checkpoint`` receives the result so far after
@@ -261,7 +301,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
 
     from kvrelay.serve.server import Gateway, ServeConfig
 
-    tasks = generate(config.workflows, config.seed, doc_tokens=config.doc_tokens)
+    tasks = workflow_tasks(config)
     rows: dict[str, dict] = {}
     serve_cfg = ServeConfig(models=config.models, port=0, store="memory://bench-serve", max_tokens=config.max_tokens,
                             limit_max_tokens=max(config.max_tokens, 2048), threads=config.threads,
@@ -360,5 +400,7 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
             "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
-            "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits], "task_set": "gen (private regime)",
+            "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits], "regimes": list(config.regimes),
+            "task_set": ", ".join({"private": "gen (private regime)", "shared": f"{SHARED_SET} (shared regime)"}[r]
+                                  for r in config.regimes),
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}

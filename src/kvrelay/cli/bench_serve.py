@@ -30,6 +30,17 @@ def print_result(res: dict) -> None:
         t.add_row(r["name"], _fmt(r["p50_s"]), _fmt(r["p99_s"]), _fmt(r["throughput_rps"], ".3f"),
                   _fmt(r["accuracy"]), ci, str(r.get("relay_hits", "-")), fb, r.get("reason", ""))
     console.print(t)
+    if len(res.get("regimes", [])) > 1:  # each regime on its own
+        t = Table(title="by regime: p50 s / accuracy [95% CI]")
+        t.add_column("strategy")
+        for regime in res["regimes"]:
+            t.add_column(regime, justify="right")
+        for r in res["strategies"]:
+            if r["run"]:
+                cells = [(r["by_regime"].get(g) or {}) for g in res["regimes"]]
+                t.add_row(r["name"], *(f"{_fmt(c.get('p50_s'))} / {_fmt(c.get('accuracy'))} "
+                                       f"[{_fmt(c.get('ci_low'))}, {_fmt(c.get('ci_high'))}]" for c in cells))
+        console.print(t)
     console.print(f"scheduler dominated: {res['scheduler_dominated']}")
 
 
@@ -54,15 +65,21 @@ def bench_serve_cmd(
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
     batch: bool = typer.Option(False, "--batch", help="kvrelay's replicas answer concurrent requests together "
                                "(kvrelay serve --batch; engine fp32)"),
+    regimes: str = typer.Option("private", help="whose workflows run, comma-separated: private (a generated "
+                                "document only the reader sees), shared (ARC-Challenge problems every agent sees); "
+                                "--workflows of each, alternating"),
     json_path: Path = typer.Option(None, "--json", help="write the result as JSON"),
 ):
     """The scheduler against fixed routings, text hand-offs and transformers serve, on the same workflows."""
-    from kvrelay.bench.serve import STRATEGIES, ServeBenchConfig, bench_serve
+    from kvrelay.bench.serve import REGIMES, STRATEGIES, ServeBenchConfig, bench_serve
 
     names = v.csv(models, "--models", "smollm2-135m,qwen2.5-coder-0.5b")
     for n in names:
         v.model(n, "--models")
     chosen = v.names(strategies, "--strategies", STRATEGIES, "scheduler,always_text")
+    regime_list = v.names(regimes, "--regimes", REGIMES, "private,shared")
+    if len(set(regime_list)) != len(regime_list):
+        raise v.InvalidInput(f"--regimes {regimes}", "each regime once")
     v.positive(workflows, "--workflows")
     v.positive(clients, "--clients")
     v.positive(doc_tokens, "--doc-tokens", minimum=64)
@@ -75,7 +92,8 @@ def bench_serve_cmd(
         raise v.InvalidInput(f"--slo {slo}", "a positive number of seconds")
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
-                           engine=engine, audits=audit_dirs, single=single, batch=batch)
+                           engine=engine, audits=audit_dirs, single=single, batch=batch,
+                           regimes=regime_list)
     res = bench_serve(cfg, progress=note,
                       checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()
