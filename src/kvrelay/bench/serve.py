@@ -7,10 +7,11 @@ gives codes for, the answerer answers the task's question. Shared regime (ARC-Ch
 audit's order): the reader reads the problem and restates it, the checker names the choices it rules
 out, the answerer is asked the whole problem again and answers with a letter — it needs nothing the
 earlier agents read. The last answer is scored with the task's scorer (``audit.tasks.score``); with
-both regimes their workflows alternate, and each row also reports each regime on its own. ``clients`` threads take workflows from one list, so up to
-``clients`` workflows run at once, each agent's request after the previous one's answer. ``single``:
-each workflow is instead one plain chat request — the document and the question, no hand-off — which
-measures what the gateway itself costs against a peer server when nothing is relayed.
+both regimes their workflows alternate, and each row also reports each regime on its own. ``clients``
+threads take workflows from one list, so up to ``clients`` workflows run at once, each agent's request
+after the previous one's answer. ``single``: each workflow is instead one plain chat request — the
+document and the question, no hand-off — which measures what the gateway itself costs against a peer
+server when nothing is relayed.
 
 Strategies (``STRATEGIES``), all on the same tasks:
 
@@ -211,8 +212,8 @@ def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = Fa
                       "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])],
                       "channel": (ext.get("scheduler") or {}).get("channel"),
                       "reason": (ext.get("scheduler") or {}).get("reason")})
-    return {"task": task.id, "regime": task.regime, "e2e_s": time.perf_counter() - t0, "score": score(task, answer), "answer": answer,
-            "steps": steps}
+    return {"task": task.id, "regime": task.regime, "e2e_s": time.perf_counter() - t0, "score": score(task, answer),
+            "answer": answer, "steps": steps}
 
 
 def warm_up(route: Route, config: ServeBenchConfig) -> None:
@@ -400,7 +401,8 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
             "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
-            "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits], "regimes": list(config.regimes),
+            "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits],
+            "regimes": list(config.regimes),
             "task_set": ", ".join({"private": "gen (private regime)", "shared": f"{SHARED_SET} (shared regime)"}[r]
                                   for r in config.regimes),
             "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}
