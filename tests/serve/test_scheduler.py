@@ -1,5 +1,6 @@
 """The scheduler's rule: per model, the policy's channel (value model + cost model) under the SLO budget
-left after queueing; across models, the most accurate predicted to meet the SLO, else the fastest; a
+left after queueing; across models, the fastest not credibly worse when every model has an audit, else
+the most accurate predicted to meet the SLO, else the fastest; a
 handle's own model is cheaper by the context it need not prefill; ``model: "auto"`` end to end, with
 the reason in the response and the decision in the metrics."""
 
@@ -23,19 +24,25 @@ BIG, SMALL = "tiny:qwen2", "tiny:llama"
 FACTS = "the vault code of gallery seven is ruby falcon and the guard is named orlov"
 
 
-@pytest.fixture(scope="module")
-def value() -> ValueModel:
-    """Audit-like observations: without the context a private task fails and a shared one does not;
-    kv and text_full read the same tokens (identical outcomes)."""
-    rng = random.Random(0)
+def audited(private: float, shared: float, seed: int = 0) -> ValueModel:
+    """Audit-like observations: a private task succeeds with the context ``private`` of the time and
+    fails without it; a shared one succeeds ``shared`` of the time either way; kv and text_full read the
+    same tokens (identical outcomes)."""
+    rng = random.Random(seed)
     obs = []
     for i in range(200):
-        shared = i % 2 == 1
-        f = Features(rng.uniform(0.7, 1.0) if shared else rng.uniform(0.0, 0.2), rng.choice([16, 64, 256, 1024, 4096]))
-        ok = float(rng.random() < 0.8)
-        for key, y in (("kv", ok), ("text_full", ok), ("none", ok if shared else float(rng.random() < 0.1))):
+        is_shared = i % 2 == 1
+        f = Features(rng.uniform(0.7, 1.0) if is_shared else rng.uniform(0.0, 0.2),
+                     rng.choice([16, 64, 256, 1024, 4096]))
+        ok = float(rng.random() < (shared if is_shared else private))
+        for key, y in (("kv", ok), ("text_full", ok), ("none", ok if is_shared else float(rng.random() < 0.1))):
             obs.append(Observation(f"t{i}", "synthetic", key, f, y))
     return ValueModel.fit(obs, n_boot=100, seed=0)
+
+
+@pytest.fixture(scope="module")
+def value() -> ValueModel:
+    return audited(0.8, 0.8)
 
 
 def _scheduler(gateway, value):
@@ -122,6 +129,26 @@ def test_the_policy_picks_the_channel_with_its_reason(scheduler, gateway):
     # the model without a value model follows the mechanical rule, and says so
     small = scheduler.plan(SMALL, req("What is the answer?", None), opened_for(gateway, SMALL, ctx))
     assert small.channel == "kv" and small.expected_success is None and small.reason.startswith("no value model")
+
+
+def test_with_both_models_audited_the_fastest_not_credibly_worse_answers(gateway, value):
+    """Across models the policy's own rule: SMALL's audit finds it as good as BIG on shared requests (the
+    question repeats the facts) and far worse on private ones, so SMALL answers the first, BIG the second."""
+    gen = _scheduler(gateway, {BIG: value, SMALL: audited(0.25, 0.8, seed=1)})
+    s = next(gen)
+    try:
+        ctx = [Message("user", f"Remember this. {FACTS}"), Message("assistant", "Noted.")]
+        shared = s.decide(req(f"{FACTS}. What is the vault code?", 60.0), opened_for(gateway, BIG, ctx))
+        assert shared.model == SMALL and shared.channel == "none" and shared.met
+        assert "not credibly below the best's" in shared.reason
+        private = s.decide(req("What is the answer to my question?", 60.0), opened_for(gateway, BIG, ctx))
+        assert (private.model, private.channel) == (BIG, "kv") and private.expected_success > 0.6
+        small = next(p for p in private.plans if p.model == SMALL)
+        assert small.channel == "text_full" and small.expected_success < 0.45  # credibly worse: not taken
+        # a request without handles has no P(success): the most accurate model, as before
+        assert s.decide(req("what is the key", 60.0), []).model == BIG
+    finally:
+        gen.close()
 
 
 def test_the_queue_eats_the_slo_budget(scheduler, gateway):

@@ -106,6 +106,13 @@ class Decision:
                 "expected_success": self.expected_success, "latency_s": self.latency_s}
 
 
+def not_credibly_worse(diff: Prediction, tolerance: float = EQUIVALENCE_MARGIN) -> bool:
+    """Rule 5's test, for channels here and for models in the serving scheduler: ``diff`` is P_c − P_best
+    with its bootstrap interval; ``c`` stays a candidate when the interval's upper end reaches
+    ``-tolerance`` (the audit cannot show it worse by more than the tolerance)."""
+    return diff.ci_high >= -tolerance
+
+
 def candidates(req: Request, cost: CostProfile) -> tuple[list[tuple[str, str | None]], list[str]]:
     """(channel, codec) pairs rules 1–2 allow, and one note per rule that removed something."""
     out: list[tuple[str, str | None]] = [("none", None), ("text_full", None)]
@@ -159,7 +166,7 @@ def decide(req: Request, slo: Slo, value: ValueModel, cost: CostProfile) -> Deci
         in_slo, slo_note = [fastest], f"; no channel meets the SLO {slo.latency_s:g} s, fastest taken"
     best = max(in_slo, key=lambda o: o.success.mean)
     as_good = [o for o in in_slo if o is best
-               or value.difference(o.key, best.key, req.features).ci_high >= -slo.tolerance]
+               or not_credibly_worse(value.difference(o.key, best.key, req.features), slo.tolerance)]
     pick = min(as_good, key=lambda o: (o.latency_s, -o.success.mean))
     why = (f"{pick.key}: P(success) {pick.success.mean:.2f} [{pick.success.ci_low:.2f}, {pick.success.ci_high:.2f}], "
            f"{pick.latency_s:.2f} s")

@@ -271,6 +271,16 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
+def difference_of(a: Prediction, a_draws: np.ndarray, b: Prediction, b_draws: np.ndarray) -> Prediction:
+    """P_a − P_b from two predictions and their bootstrap draws, when ``a`` and ``b`` come from two value
+    models (two models' audits: ``ValueModel.difference`` pairs channels of one model). Each model's draws
+    resample its own tasks, independently of the other's, so any pairing of the draws is a draw of the
+    difference; the first ``min(len)`` of each are paired."""
+    n = min(len(a_draws), len(b_draws))
+    return Prediction(a.mean - b.mean, *_interval(np.asarray(a_draws[:n]) - np.asarray(b_draws[:n])),
+                      extrapolated=a.extrapolated or b.extrapolated)
+
+
 def _interval(d: np.ndarray, level: float = 0.95) -> tuple[float, float]:
     a = (1 - level) / 2
     return float(np.quantile(d, a)), float(np.quantile(d, 1 - a))

@@ -19,10 +19,19 @@ For each served model ``m`` the scheduler plans the request with the policy (``k
   else ``text_full``.
 
 Token counts are estimated from characters (``CHARS_PER_TOKEN``). The request's SLO is its
-``kv_slo_s`` or the server's default. Among models whose plan (queue + channel latency) meets it,
-the most accurate wins — a measured accuracy per model when given (``quality=``), else the
-parameter count (a bigger model of one family answers better); ties go to the higher predicted
-P(success) of its channel, then the faster. When none meets it, the fastest. The decision and
+``kv_slo_s`` or the server's default. Among the models whose plan (queue + channel latency) meets it:
+
+* when every one of them has a value model's P(success) for its channel, the policy's own rule picks
+  across models as it picks across channels (``policy.decide.not_credibly_worse``): among the models
+  whose P(success) the audits cannot show below the best one's by more than the tolerance (the
+  audit's equivalence margin; the two models' bootstrap draws, ``policy.value.difference_of``), the
+  fastest — so a smaller model answers where its audit finds it as good, the larger where it does not;
+* otherwise (a request without handles, a model without audits, a request outside every audited
+  range) the most accurate wins — a measured accuracy per model when given (``quality=``), else the
+  parameter count (a bigger model of one family answers better); ties go to the higher predicted
+  P(success) of its channel, then the faster.
+
+When none meets the SLO, the fastest. The decision and
 every model's plan are in the response (``Decision.to_json``) and counted in the metrics.
 """
 
@@ -32,17 +41,19 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
 from kvrelay.core.records_file import DESCRIBED, records_file
 from kvrelay.policy.cost import CodecCost, CostProfile
-from kvrelay.policy.decide import Request, Slo
+from kvrelay.policy.decide import Request, Slo, not_credibly_worse
 from kvrelay.policy.decide import decide as policy_decide
-from kvrelay.policy.features import Features
-from kvrelay.policy.value import ValueModel, observations_from_records
+from kvrelay.policy.features import Features, channel_key
+from kvrelay.policy.value import Prediction, ValueModel, difference_of, observations_from_records
 from kvrelay.serve.chat import Message
 from kvrelay.serve.handles import Opened
 from kvrelay.serve.pool import Pool
@@ -91,6 +102,12 @@ class Plan:
     latency_s: float  # the channel's latency by the cost model, after the queue
     expected_success: float | None  # the value model's P(success) of the channel; None without one
     reason: str  # one line
+    draws: np.ndarray | None = field(default=None, repr=False, compare=False)  # (B,) its P(success) bootstrap
+
+    def versus(self, other: Plan) -> Prediction:
+        """P(success) of this plan's channel minus ``other``'s, with a bootstrap interval (both need draws)."""
+        return difference_of(Prediction(self.expected_success, 0.0, 0.0), self.draws,
+                             Prediction(other.expected_success, 0.0, 0.0), other.draws)
 
     @property
     def predicted_s(self) -> float:
@@ -214,7 +231,8 @@ class Scheduler:
                 why = "no audited channel covers this request"
             else:
                 if d.channel != "none" or req.messages:  # a request of handles only cannot leave them out
-                    return Plan(model, d.channel, queue_s, d.latency_s, d.expected_success, f"policy: {d.reason}")
+                    return Plan(model, d.channel, queue_s, d.latency_s, d.expected_success, f"policy: {d.reason}",
+                                vm.draws(channel_key(d.channel, d.codec), feats))
                 why = "the policy would leave out every message"
         else:
             why = "no value model"
@@ -235,11 +253,21 @@ class Scheduler:
         with self._lock:
             plans = [self.plan(m, req, opened, slo) for m in self.pool.models]
         ok = [p for p in plans if slo is None or p.predicted_s <= slo]
-        if ok:
+        met = f"{len(ok)}/{len(plans)} models predicted to meet the SLO" if slo is not None else \
+            f"{len(plans)} models (no SLO)"
+        if len(ok) > 1 and all(p.draws is not None for p in ok):
+            top = max(ok, key=lambda p: p.expected_success)
+            as_good = [p for p in ok if p is top or not_credibly_worse(p.versus(top))]
+            best = min(as_good, key=lambda p: (p.predicted_s, -p.expected_success))
+            why = (f"{best.model}: the fastest of the {len(as_good)} whose P(success) is not credibly below the"
+                   f" best's ({top.model} {top.expected_success:.2f}), among {met}")
+            if best is not top:
+                d = top.versus(best)
+                why += f", {100 * d.mean:+.0f} pts [{100 * d.ci_low:+.0f}, {100 * d.ci_high:+.0f}] over it"
+        elif ok:
             best = max(ok, key=lambda p: (self.quality[p.model], -1.0 if p.expected_success is None
                                           else p.expected_success, -p.predicted_s))
-            why = (f"{best.model}: the most accurate of {len(ok)}/{len(plans)} models predicted to meet the SLO"
-                   if slo is not None else f"{best.model}: the most accurate (no SLO)")
+            why = f"{best.model}: the most accurate of {met}"
         else:
             best = min(plans, key=lambda p: p.predicted_s)
             why = f"{best.model}: no model is predicted to meet the SLO {slo:g} s, the fastest taken"
