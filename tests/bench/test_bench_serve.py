@@ -8,7 +8,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from kvrelay.bench.serve import KVRELAY_STRATEGIES, STRATEGIES, ServeBenchConfig, bench_serve, dominated  # noqa: E402
+from kvrelay.bench.serve import (  # noqa: E402
+    KVRELAY_STRATEGIES,
+    STRATEGIES,
+    ServeBenchConfig,
+    bench_serve,
+    dominated,
+    versus,
+)
 from kvrelay.core.errors import InvalidInput  # noqa: E402
 
 FIELDS = {"name", "p50_s", "p99_s", "throughput_rps", "accuracy", "ci_low", "ci_high"}
@@ -91,6 +98,25 @@ def test_domination_needs_no_worse_on_both_and_better_on_one():
     assert dominated([me, row("a", 1.9, 0.5)])
     assert dominated([me, row("a", 2.0, 0.6)])
     assert not dominated([me, {"name": "vllm", "run": False, "p50_s": None, "accuracy": None}])
+
+
+def test_versus_pairs_workflows_by_task():
+    def row(name, e2e, scores, run=True):
+        recs = [{"task": f"t{i}", "e2e_s": e, "score": sc} for i, (e, sc) in enumerate(zip(e2e, scores, strict=True))]
+        return {"name": name, "run": run, "records": recs}
+
+    me = row("scheduler", [10, 20, 30, 40, 50, 60], [1, 0, 1, 0, 1, 0])
+    same = row("always_largest", [10.5, 19, 31, 39, 50.5, 60], [1, 0, 1, 0, 1, 0])
+    fast = row("always_smallest", [5, 10, 15, 20, 25, 30], [0, 0, 1, 0, 0, 0])
+    fast["records"] = list(reversed(fast["records"]))  # paired by task, not by position
+    out = versus([me, same, fast, {"name": "vllm", "run": False}])
+    assert set(out) == {"always_largest", "always_smallest"}
+    assert out["always_smallest"]["latency_ratio"] == pytest.approx(0.5)
+    assert out["always_smallest"]["latency_ratio_ci_high"] == pytest.approx(0.5)  # every pair halves
+    assert out["always_smallest"]["accuracy_delta"] == pytest.approx(-2 / 6)
+    s = out["always_largest"]
+    assert s["latency_ratio_ci_low"] < 1 < s["latency_ratio_ci_high"] and s["accuracy_delta"] == 0
+    assert versus([same, fast]) == {}  # no scheduler row
 
 
 def test_cli_default_strategies_are_the_library_list():

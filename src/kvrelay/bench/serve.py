@@ -44,7 +44,9 @@ so none reuses the documents an earlier strategy read; a peer starts with an emp
 end-to-end workflow latency, throughput (requests per second of the
 strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap.bca_ci``), and
 the 1-minute load average before and after. ``scheduler_dominated`` is true when another strategy
-that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md).
+that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md);
+``versus_scheduler`` pairs each strategy with the scheduler workflow by workflow (``versus``), so a
+dominance that is run-to-run noise shows as a latency ratio whose interval spans 1.
 """
 
 from __future__ import annotations
@@ -282,6 +284,31 @@ def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
     return False
 
 
+def versus(rows: Sequence[dict], who: str = "scheduler") -> dict[str, dict]:
+    """Each other strategy that ran against ``who``, paired on the workflows both ran (same tasks):
+    ``latency_ratio`` — the geometric mean of its end-to-end seconds over ``who``'s, workflow by
+    workflow (< 1: faster) — and ``accuracy_delta`` (its score minus ``who``'s), each with a 95% BCa
+    interval. A point-rule dominance (``dominated``) whose latency interval spans 1 is run-to-run noise."""
+    me = next((r for r in rows if r["name"] == who and r["run"] and r.get("records")), None)
+    if me is None:
+        return {}
+    mine = {r["task"]: r for r in me["records"]}
+    out = {}
+    for row in rows:
+        if row["name"] == who or not row["run"] or not row.get("records"):
+            continue
+        pairs = [(r, mine[r["task"]]) for r in row["records"] if r["task"] in mine]
+        if len(pairs) < 2:
+            continue
+        lr = bca_ci([float(np.log(a["e2e_s"] / b["e2e_s"])) for a, b in pairs], seed=0)
+        acc = bca_ci([a["score"] - b["score"] for a, b in pairs], seed=0)
+        out[row["name"]] = {"workflows": len(pairs), "latency_ratio": float(np.exp(lr.estimate)),
+                            "latency_ratio_ci_low": float(np.exp(lr.low)), "latency_ratio_ci_high": float(np.exp(lr.high)),
+                            "accuracy_delta": acc.estimate, "accuracy_delta_ci_low": acc.low,
+                            "accuracy_delta_ci_high": acc.high}
+    return out
+
+
 # -- peers ---------------------------------------------------------------------------------------
 # -- the benchmark ---------------------------------------------------------------------------------
 def workflow_tasks(config: ServeBenchConfig) -> list[Task]:
@@ -397,7 +424,8 @@ def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequenc
 def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: str) -> dict:
     ordered = [rows[s] for s in STRATEGIES if s in rows]
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
-    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "complete": True,
+    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "versus_scheduler": versus(ordered),
+            "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
             "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
