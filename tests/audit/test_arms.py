@@ -140,8 +140,10 @@ def test_runner_records_resume_and_reuse(qwen, tmp_path):
 
 
 def test_runner_resume_extends_a_folder_and_refuses_what_would_mix(qwen, tmp_path):
-    """A folder can gain task sets (each with its own cap); changing what decides batches is refused."""
+    """A folder can gain task sets (each with its own cap); changing what decides batches, the model or its
+    engine mode is refused."""
     from kvrelay.audit.runner import AuditResumeMismatch
+    from kvrelay.models.engine import with_engine
     from kvrelay.models.tiny import tiny_lm
 
     base = dict(model="tiny", arms=("none", "kv"), seeds=(0,), limit=3, batch_size=2)
@@ -157,6 +159,14 @@ def test_runner_resume_extends_a_folder_and_refuses_what_would_mix(qwen, tmp_pat
         AuditRunner(AuditConfig(tasks=("gen_easy",), **{**base, "batch_size": 3}), qwen, tmp_path).run()
     with pytest.raises(AuditResumeMismatch, match="another model"):
         AuditRunner(AuditConfig(tasks=("gen_easy",), **base), tiny_lm("llama"), tmp_path).run()
+    with pytest.raises(AuditResumeMismatch, match="engine mode 'fp32'.*'fp16w'.*--engine fp32"):
+        AuditRunner(AuditConfig(tasks=("gen_easy",), **base), with_engine(qwen, "fp16w"), tmp_path).run()
+    old = json.loads((tmp_path / "config.json").read_text())  # a folder whose config.json predates the mode:
+    del old["versions"]["engine"]  # its run.json (written by the CLI) says which it was
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "run.json").write_text(json.dumps({"engine": "fp32"}))
+    with pytest.raises(AuditResumeMismatch, match="engine mode 'fp32'"):
+        AuditRunner(AuditConfig(tasks=("gen_easy",), **base), with_engine(qwen, "fp16w"), tmp_path).run()
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == len(rows)  # refused runs wrote nothing
     with pytest.raises(ValueError, match="NAME:COUNT"):
         AuditConfig(tasks=("squad:x",), **base)

@@ -165,7 +165,7 @@ class AuditRunner:
                          for a in self.arms if a.variant}
         self.progress = progress or (lambda n: None)
         self.versions = {"kvrelay": _version(), "torch": torch.__version__, "python": platform.python_version(),
-                         "model_fingerprint": lm.identity.fingerprint}
+                         "model_fingerprint": lm.identity.fingerprint, "engine": lm.identity.engine}
         self._memo: dict[tuple[str, str], dict] = {}
 
     # -- payloads -----------------------------------------------------------------------------
@@ -376,6 +376,11 @@ class AuditRunner:
             raise AuditResumeMismatch(f"{self.out} holds records of another model ({prev.get('model')!r}, "
                                       f"fingerprint {fp[:12]}…); this run loads {self.cfg.model!r} "
                                       f"({self.versions['model_fingerprint'][:12]}…): use a new --out")
+        made_in = (prev.get("versions") or {}).get("engine") or _run_engine(self.out)
+        if done and made_in is not None and made_in != self.versions["engine"]:
+            raise AuditResumeMismatch(f"{self.out} holds records made in engine mode {made_in!r}; this run loads "
+                                      f"{self.versions['engine']!r} (modes may answer differently): pass --engine "
+                                      f"{made_in} or use a new --out")
         if done and prev.get("seed_design") != SEED_DESIGN:
             made = prev.get("seed_design") or "an earlier version, whose seeds repeated the same trials"
             raise AuditResumeMismatch(f"{self.out} holds records made under seed design {made!r}; this version's "
@@ -414,6 +419,14 @@ class AuditRunner:
         for name, n in self.cfg.task_sets():
             self.run_set(name, done, lambda row: append_json_lines(unpack_records(self.out), [row]), limit=n)
         return self.records_path
+
+
+def _run_engine(out: Path) -> str | None:
+    """The engine mode ``run.json`` records for a folder whose ``config.json`` predates recording it."""
+    try:
+        return json.loads((out / "run.json").read_text()).get("engine")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _version() -> str:
