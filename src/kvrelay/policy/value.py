@@ -212,10 +212,8 @@ class ValueModel:
         return Prediction(float(_sigmoid(fit.coef @ self._x(f))), *_interval(d), extrapolated=self.extrapolated(key, f))
 
     def difference(self, a: str, b: str, f: Features) -> Prediction:
-        """P_a − P_b with a paired bootstrap interval."""
-        mean = self.predict(a, f).mean - self.predict(b, f).mean
-        return Prediction(mean, *_interval(self.draws(a, f) - self.draws(b, f)),
-                          extrapolated=self.extrapolated(a, f) or self.extrapolated(b, f))
+        """P_a − P_b with a paired bootstrap interval (both channels' draws resample the same tasks)."""
+        return difference_of(self.predict(a, f), self.draws(a, f), self.predict(b, f), self.draws(b, f))
 
     def gain(self, key: str, f: Features) -> Prediction:
         """Predicted change in success of ``key`` over ``none`` (points are ×100 of this)."""
@@ -272,10 +270,9 @@ def _logit(p: float) -> float:
 
 
 def difference_of(a: Prediction, a_draws: np.ndarray, b: Prediction, b_draws: np.ndarray) -> Prediction:
-    """P_a − P_b from two predictions and their bootstrap draws, when ``a`` and ``b`` come from two value
-    models (two models' audits: ``ValueModel.difference`` pairs channels of one model). Each model's draws
-    resample its own tasks, independently of the other's, so any pairing of the draws is a draw of the
-    difference; the first ``min(len)`` of each are paired."""
+    """P_a − P_b from two predictions and their bootstrap draws, paired draw by draw (the first ``min(len)``).
+    Within one value model the draws resample the same tasks (``ValueModel.difference``); across two
+    models' audits each resamples its own tasks independently, so any pairing is a draw of the difference."""
     n = min(len(a_draws), len(b_draws))
     return Prediction(a.mean - b.mean, *_interval(np.asarray(a_draws[:n]) - np.asarray(b_draws[:n])),
                       extrapolated=a.extrapolated or b.extrapolated)
