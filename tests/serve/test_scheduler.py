@@ -15,7 +15,10 @@ from kvrelay.policy.features import Features
 from kvrelay.policy.value import Observation, ValueModel
 from kvrelay.serve import handles
 from kvrelay.serve.chat import Message
-from kvrelay.serve.protocol import ChatRequest
+from kvrelay.serve.hosts import ALONE
+from kvrelay.serve.pool import Pool
+from kvrelay.serve.protocol import ChatRequest, Usage
+from kvrelay.serve.replica import Result
 from kvrelay.serve.scheduler import Costs, Scheduler
 
 openai = pytest.importorskip("openai")
@@ -149,6 +152,51 @@ def test_with_both_models_audited_the_fastest_not_credibly_worse_answers(gateway
         assert s.decide(req("what is the key", 60.0), []).model == BIG
     finally:
         gen.close()
+
+
+def test_an_idle_replica_beside_a_busy_one_on_the_host_is_not_free(gateway, value):
+    """BIG (one replica) and SMALL share a one-slot host and are equally good. Alone, SMALL is a little
+    faster and answers; while BIG is busy, SMALL would run at half speed and slow BIG's request by its
+    own length, which costs more than waiting for BIG: BIG answers."""
+    big, small = gateway["pool"].replicas[BIG][0], gateway["pool"].replicas[SMALL][0]
+    s = Scheduler(Pool({BIG: (big,), SMALL: (small,)}), value={BIG: value, SMALL: value})
+    s.costs = {BIG: Costs(0.004, 0.02, 10, 0.3), SMALL: Costs(0.0036, 0.018, 10, 0.27)}  # SMALL 10% faster
+    try:
+        ctx = [Message("user", f"Remember this. {FACTS}"), Message("assistant", "Noted.")]
+        r, o = req(f"{FACTS}. What is the vault code?", 60.0), opened_for(gateway, BIG, ctx)
+        idle = s.decide(r, o)
+        assert idle.model == SMALL and all(p.sharing == ALONE and p.imposed_s == 0 for p in idle.plans)
+        with big._lock:
+            big._busy = 1
+        try:
+            busy = s.decide(r, o)
+        finally:
+            with big._lock:
+                big._busy = 0
+        alone, beside = (next(p for p in d.plans if p.model == SMALL) for d in (idle, busy))
+        assert beside.sharing.stretch == 2.0 and beside.latency_s == pytest.approx(2 * alone.latency_s)
+        assert beside.imposed_s == pytest.approx(alone.latency_s)  # BIG's one request waits SMALL's length
+        waits = next(p for p in busy.plans if p.model == BIG)
+        assert waits.sharing == ALONE and waits.queue_s == pytest.approx(0.3)
+        assert busy.model == BIG and "cheapest to the host" in busy.reason
+        assert busy.to_json()["plans"][SMALL]["imposed_s"] == pytest.approx(beside.imposed_s)
+    finally:
+        for rep in (big, small):
+            rep.observers.remove(s.observe)
+
+
+def test_rates_are_learned_at_full_speed(gateway):
+    """An answer that ran beside another busy replica on a one-slot host took twice its full-speed time."""
+    s = Scheduler(gateway["pool"])
+    try:
+        res = Result("ok", (1, 2, 3), "stop", Usage(110, 3, 10), (), None, 0.5, 1.0, 0.4, 0.2, 1.7, host_busy=2.0)
+        s.observe(BIG, res)
+        c = s.costs[BIG]
+        assert c.prefill_s_per_token == pytest.approx(0.2 / 100)  # 100 prefilled tokens, 0.4 s at half speed
+        assert c.decode_s_per_token == pytest.approx(0.1 / 2) and c.service_s == pytest.approx(1.2 / 2)
+    finally:
+        for rep in gateway["pool"].all():
+            rep.observers.remove(s.observe)
 
 
 def test_the_queue_eats_the_slo_budget(scheduler, gateway):

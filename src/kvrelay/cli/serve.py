@@ -34,7 +34,8 @@ def serve_cmd(
                                      "per run, so handles do not outlive the server)"),
     slo: float = typer.Option(None, help="latency target in seconds for requests to model \"auto\" that give no "
                               "kv_slo_s: among the models predicted to meet it, the scheduler picks the most accurate (with every model "
-                              "audited: the fastest one not credibly less accurate)"),
+                              "audited: the one not credibly less accurate that costs the host least, its own seconds plus the delay "
+                              "it imposes on busy replicas sharing the host's cores)"),
     audits: str = typer.Option(None, help="comma-separated kvrelay audit folders: the scheduler fits a value model per "
                                "audited model and picks each request's channel with the policy (docs/serve.md)"),
     ray: bool = typer.Option(False, "--ray", help="run each replica as a Ray actor (its own model copy) on a local "

@@ -2,6 +2,8 @@
 
 ``Pool.pick(model)`` returns the replica of that model with the fewest requests waiting; which model
 answers a request is the scheduler's choice (``serve.scheduler``) when a client asks for ``auto``.
+``Pool.sharing(model)`` is what a request sent there now would share of its host's cores with the
+other replicas placed on it (``serve.hosts``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.core.errors import InvalidInput
+from kvrelay.serve.hosts import Sharing, sharing
 from kvrelay.serve.replica import Replica
 
 
@@ -30,6 +33,13 @@ class Pool:
 
     def pick(self, model: str) -> Replica:
         return min(self.replicas[model], key=lambda r: r.depth)
+
+    def sharing(self, model: str) -> Sharing:
+        """The host contention a request sent to ``model`` now meets: the replica ``pick`` would choose, beside
+        the other busy replicas placed on the same host."""
+        r = self.pick(model)
+        others = [o.depth for o in self.all() if o is not r and o.placement.host == r.placement.host]
+        return sharing(r.placement.slots, others)
 
     def all(self) -> list:
         return [r for rs in self.replicas.values() for r in rs]

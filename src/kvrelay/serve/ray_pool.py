@@ -2,7 +2,7 @@
 
 ``ReplicaActor`` wraps a ``serve.replica.Replica`` (its queue and worker thread live in the actor);
 ``RayReplica`` is its stand-in in the gateway, with the same face (``submit`` -> a future, ``depth``,
-``observers``, ``close``), so the app and the scheduler do not know where a replica runs. An answer
+``placement``, ``observers``, ``close``), so the app and the scheduler do not know where a replica runs. An answer
 streams back as Ray's streaming generator: text pieces, then the ``Result``. Caches travel through
 the store, never through the gateway, so the store must be one every actor reaches (``redis://`` or
 ``file://``; a ``memory://`` store lives in one process). On a cluster, start Ray first
@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.serve import handles
+from kvrelay.serve.hosts import Placement
 from kvrelay.serve.pool import Pool
 from kvrelay.serve.protocol import ChatRequest
 from kvrelay.workflows.ray_executor import ModelSpec
@@ -41,9 +42,9 @@ class ReplicaActor:
         self.replica = Replica(name, spec.load(), open_store(store_url), secret, handle_ttl_s=handle_ttl_s,
                                batch=batch)
 
-    def info(self) -> tuple[str, int, int]:
+    def info(self) -> tuple[str, int, int, Placement]:
         r = self.replica
-        return r.fingerprint, r.params, r.max_positions
+        return r.fingerprint, r.params, r.max_positions, r.placement
 
     def answer(self, req: ChatRequest, opened: list[handles.Opened], sent_at: float):
         """Yields ``("text", piece)``... then ``("done", Result)`` or ``("error", exception)``."""
@@ -71,7 +72,7 @@ class RayReplica:
         import ray
 
         self.name, self.actor = name, actor
-        self.fingerprint, self.params, self.max_positions = ray.get(actor.info.remote())
+        self.fingerprint, self.params, self.max_positions, self.placement = ray.get(actor.info.remote())
         self.observers: list[Callable] = []
         self._pending = 0
         self._lock = threading.Condition()

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from kvrelay.kv.transforms import select_tokens
 from kvrelay.serve import handles
 from kvrelay.serve.batcher import Batcher, Finished
 from kvrelay.serve.chat import Message, answer_start_ids, conversation_ids
+from kvrelay.serve.hosts import Placement, host_of
 from kvrelay.serve.protocol import ChatRequest, RequestError, Usage
 from kvrelay.transport.bytestore import ByteStore
 from kvrelay.transport.keys import payload_key
@@ -74,6 +75,7 @@ class Result:
     decode_s: float
     total_s: float
     handle_error: str = ""  # why a turn that asked for a handle has none (its cache did not fit the store's budget)
+    host_busy: float = 1.0  # mean busy replicas of this replica's host while it was answered, itself included
 
     def ext(self, model: str) -> dict:
         """The response's ``kvrelay`` extension object."""
@@ -102,6 +104,7 @@ class Running:
     uses: list[Use]
     started: float
     deltas: Deltas | None
+    mark: tuple[float, float]  # the host's (time, busy area) when it started: ``hosts.Host.mean_busy``
     done: Finished | None = None
     error: BaseException | None = None
 
@@ -138,8 +141,10 @@ class Replica:
     """
 
     def __init__(self, name: str, lm, store: ByteStore | None, secret: bytes, *, handle_ttl_s: float = 600.0,
-                 batch: bool = False, kv_tokens: int | None = None):
+                 batch: bool = False, kv_tokens: int | None = None, placement: Placement | None = None):
         self.name = name
+        self.placement = placement if placement is not None else Placement.here()
+        self.host = host_of(self.placement)  # shared with this process's other replicas on the host
         self.lm = lm
         self.agent = Agent(lm, name)
         self.store = store
@@ -193,13 +198,16 @@ class Replica:
             else:
                 with self._lock:
                     self._busy = 1
+                mark = self.host.enter()
                 try:
                     if item.future.set_running_or_notify_cancel():
-                        self._deliver(item, self.answer(item.req, item.opened, item.on_text, arrived=item.arrived))
+                        res = self.answer(item.req, item.opened, item.on_text, arrived=item.arrived)
+                        self._deliver(item, replace(res, host_busy=self.host.mean_busy(mark)))
                 except BaseException as err:  # the caller sees every failure
                     if not item.future.done():
                         item.future.set_exception(err)
                 finally:
+                    self.host.leave()
                     with self._lock:
                         self._busy = 0
             if closing:
@@ -216,18 +224,25 @@ class Replica:
     def _start(self, job: Job) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             cache, ids, whole, uses = self.plan(job.req, job.opened)
-            deltas = Deltas(self.agent, job.on_text) if job.on_text is not None else None
-            run = Running(job, cache, ids, whole, uses, t0, deltas)
+        except BaseException as err:
+            job.future.set_exception(err)
+            return
+        deltas = Deltas(self.agent, job.on_text) if job.on_text is not None else None
+        with self._lock:
+            if self._busy == 0:  # the engine starts working: one more busy replica on the host
+                self.host.enter()
+            self._busy += 1
+        run = Running(job, cache, ids, whole, uses, t0, deltas, self.host.mark())
+        try:
             fut = self.batcher.submit(cache, ids, job.req.max_tokens,
                                       deltas.push if deltas is not None else None, submitted=t0)
         except BaseException as err:
             job.future.set_exception(err)
+            self._idle_one()
             return
-        with self._lock:
-            self._busy += 1
 
         def ended(f: Future) -> None:  # on the engine's router thread: finishing needs the model, so queue it
             run.done, run.error = (None, f.exception()) if f.exception() is not None else (f.result(), None)
@@ -260,13 +275,20 @@ class Replica:
             self._deliver(job, Result(text, tuple(gen), finish, Usage(held + len(run.ids), len(gen), held),
                                       tuple(run.uses), handle, run.started - job.arrived,
                                       done.first_token - job.arrived, done.first_token - run.started,
-                                      done.done - done.first_token, t1 - job.arrived, handle_error))
+                                      done.done - done.first_token, t1 - job.arrived, handle_error,
+                                      self.host.mean_busy(run.mark)))
         except BaseException as err:
             if not job.future.done():
                 job.future.set_exception(err)
         finally:
-            with self._lock:
-                self._busy -= 1
+            self._idle_one()
+
+    def _idle_one(self) -> None:
+        """A batched request is over (answered or failed)."""
+        with self._lock:
+            self._busy -= 1
+            if self._busy == 0:
+                self.host.leave()
 
     def _turn_payload_batched(self, messages: list[Message]) -> KVPayload:
         """The turn's cache from the pages the engine still holds, the rest prefilled (``Batcher.turn_cache``)."""

@@ -10,6 +10,12 @@ For each served model ``m`` the scheduler plans the request with the policy (``k
   handles' messages too, ``none`` answers without them;
 * **predicted remaining output** — the model's mean answer length so far, capped by ``max_tokens``;
 * **queue** — ``waiting(m) / replicas(m) × mean service seconds(m)`` ahead of the request;
+* **host contention** — replicas placed on one host share its cores (``serve.hosts``, processor
+  sharing): when more replicas would be busy than the host runs at full speed, the channel's latency
+  is stretched by ``(busy + 1) / slots`` and the plan carries the delay its work **imposes** on the
+  requests of the other busy replicas there (``Plan.imposed_s``). Rates are learned at full speed:
+  each answer's seconds are divided by the contention it ran under (``Result.host_busy``), and the
+  start-up warm-ups run one model at a time;
 * **value model** — when the server was given audits of ``m`` (``fit_value_models``), the channel is
   ``policy.decide`` under the SLO budget left after queueing (``Slo(slo − queue)``): P(success) per
   channel from the request's features (how much of the handles' words the request's own messages
@@ -25,11 +31,13 @@ Token counts are estimated from characters (``CHARS_PER_TOKEN``). The request's 
   across models as it picks across channels (``policy.decide.not_credibly_worse``): among the models
   whose P(success) the audits cannot show below the best one's by more than the tolerance (the
   audit's equivalence margin; the two models' bootstrap draws, ``policy.value.difference_of``), the
-  fastest — so a smaller model answers where its audit finds it as good, the larger where it does not;
+  fastest to the whole host (its predicted seconds plus the delay it imposes, ``Plan.cost_s``) — so a
+  smaller model answers where its audit finds it as good and it costs less, the larger where it does
+  not, and an idle replica is not free when it would only take cores from a busy one;
 * otherwise (a request without handles, a model without audits, a request outside every audited
   range) the most accurate wins — a measured accuracy per model when given (``quality=``), else the
   parameter count (a bigger model of one family answers better); ties go to the higher predicted
-  P(success) of its channel, then the faster.
+  P(success) of its channel, then the cheaper to the host.
 
 When none meets the SLO, the fastest. The decision and
 every model's plan are in the response (``Decision.to_json``) and counted in the metrics.
@@ -56,6 +64,7 @@ from kvrelay.policy.features import Features, channel_key
 from kvrelay.policy.value import Prediction, ValueModel, difference_of, observations_from_records
 from kvrelay.serve.chat import Message
 from kvrelay.serve.handles import Opened
+from kvrelay.serve.hosts import ALONE, Sharing, destretch
 from kvrelay.serve.pool import Pool
 from kvrelay.serve.protocol import ChatRequest
 
@@ -99,10 +108,12 @@ class Plan:
     model: str
     channel: str  # "kv" (continue the first handle's cache), "text_full" (re-encode), "none" (without them)
     queue_s: float
-    latency_s: float  # the channel's latency by the cost model, after the queue
+    latency_s: float  # the channel's latency by the cost model, after the queue, stretched by host sharing
     expected_success: float | None  # the value model's P(success) of the channel; None without one
     reason: str  # one line
     draws: np.ndarray | None = field(default=None, repr=False, compare=False)  # (B,) its P(success) bootstrap
+    sharing: Sharing = ALONE  # what it shares of its host's cores (``serve.hosts``)
+    imposed_s: float = 0.0  # the delay its work adds to the requests of the host's other busy replicas
 
     def versus(self, other: Plan) -> Prediction:
         """P(success) of this plan's channel minus ``other``'s, with a bootstrap interval (both need draws)."""
@@ -113,8 +124,14 @@ class Plan:
     def predicted_s(self) -> float:
         return self.queue_s + self.latency_s
 
+    @property
+    def cost_s(self) -> float:
+        """What sending the request here costs the host's requests together: its own seconds and those it imposes."""
+        return self.predicted_s + self.imposed_s
+
     def to_json(self) -> dict:
         return {"channel": self.channel, "predicted_s": self.predicted_s, "queue_s": self.queue_s,
+                "stretch": self.sharing.stretch, "imposed_s": self.imposed_s,
                 "expected_success": self.expected_success, "reason": self.reason}
 
 
@@ -172,6 +189,7 @@ class Scheduler:
         self.slo_s = slo_s
         reps = {m: rs[0] for m, rs in pool.replicas.items()}
         self.fingerprints = {m: r.fingerprint for m, r in reps.items()}
+        self.slots = {m: r.placement.slots for m, r in reps.items()}
         self.quality = dict(quality) if quality else {m: float(r.params) for m, r in reps.items()}
         self.value = {m: v for m, v in (value or {}).items() if m in self.fingerprints}
         self.costs: dict[str, Costs] = {}
@@ -180,22 +198,24 @@ class Scheduler:
             r.observers.append(self.observe)
 
     def observe(self, model: str, res) -> None:
+        """Learn ``model``'s full-speed rates from an answer: its seconds divided by the host contention it met."""
+        k = destretch(getattr(res, "host_busy", 1.0), self.slots[model])
+        prefill_s, decode_s, service_s = res.prefill_s / k, res.decode_s / k, max(res.total_s - res.queue_s, 0.0) / k
         with self._lock:
             c = self.costs.get(model)
             prefilled = res.usage.prompt_tokens - res.usage.relayed_tokens
             n = res.usage.completion_tokens
             if c is None:  # the first answer seeds the averages
-                self.costs[model] = Costs(res.prefill_s / max(prefilled, 1), res.decode_s / max(n - 1, 1), n,
-                                          max(res.total_s - res.queue_s, 0.0))
+                self.costs[model] = Costs(prefill_s / max(prefilled, 1), decode_s / max(n - 1, 1), n, service_s)
             else:
-                c.update(prefilled, res.prefill_s, n, res.decode_s, res.total_s, res.queue_s)
+                c.update(prefilled, prefill_s, n, decode_s, service_s, 0.0)
 
     def calibrate(self, max_tokens: int = 8) -> None:
-        """One warm-up request per model, so predictions start from measured costs."""
-        futs = [self.pool.pick(m).submit(ChatRequest(m, (Message("user", WARMUP),), max_tokens, kv_handle=False), [])
-                for m in self.pool.models if m not in self.costs]
-        for f in futs:
-            f.result()
+        """One warm-up request per model, one model at a time, so predictions start from rates measured alone."""
+        for m in self.pool.models:
+            if m not in self.costs:
+                self.pool.pick(m).submit(ChatRequest(m, (Message("user", WARMUP),), max_tokens, kv_handle=False),
+                                         []).result()
 
     def can_continue(self, model: str, opened: Sequence[Opened]) -> bool:
         """Whether ``model`` may continue the first handle's cache (what its replica checks first)."""
@@ -213,9 +233,16 @@ class Scheduler:
         queue_s = self.pool.depth(model) / len(self.pool.replicas[model]) * c.service_s
         answer = round(min(float(req.max_tokens), max(c.answer_tokens, 1.0)))
         own = _tokens(list(req.messages)) + 2  # + the answer's opening markers
+        sh = self.pool.sharing(model)
+
+        def priced(channel: str, full_speed_s: float, expected: float | None, reason: str,
+                   draws: np.ndarray | None = None) -> Plan:
+            return Plan(model, channel, queue_s, sh.stretch * full_speed_s, expected, reason, draws, sh,
+                        sh.imposed_per_s * full_speed_s)
+
         if not opened:
             lat = cost.latency_s("none", None, context_tokens=1, prompt_tokens=own, answer_tokens=answer)
-            return Plan(model, "none", queue_s, lat, None, "no context handles")
+            return priced("none", lat, None, "no context handles")
         first = list(opened[0].handle.messages)
         later = [m for o in opened[1:] for m in o.handle.messages]  # always re-encoded (only the first is cached)
         context, prompt = _tokens(first) + 1, own + (_tokens(later) if later else 0)
@@ -223,7 +250,7 @@ class Scheduler:
         vm = self.value.get(model)
         if vm is not None:
             feats = Features.of(_text(first + later), _text(req.messages), context)
-            budget = None if slo_s is None else max(slo_s - queue_s, EXHAUSTED_S)
+            budget = None if slo_s is None else max((slo_s - queue_s) / sh.stretch, EXHAUSTED_S)  # at full speed
             ask = Request(feats, prompt_tokens=prompt, answer_tokens=answer, compatible=reuse, codecs=("raw",))
             try:
                 d = policy_decide(ask, Slo(budget), vm, cost)
@@ -231,16 +258,15 @@ class Scheduler:
                 why = "no audited channel covers this request"
             else:
                 if d.channel != "none" or req.messages:  # a request of handles only cannot leave them out
-                    return Plan(model, d.channel, queue_s, d.latency_s, d.expected_success, f"policy: {d.reason}",
-                                vm.draws(channel_key(d.channel, d.codec), feats))
+                    return priced(d.channel, d.latency_s, d.expected_success, f"policy: {d.reason}",
+                                  vm.draws(channel_key(d.channel, d.codec), feats))
                 why = "the policy would leave out every message"
         else:
             why = "no value model"
         channel = "kv" if reuse else "text_full"
         lat = cost.latency_s(channel, "raw" if reuse else None, context_tokens=context, prompt_tokens=prompt,
                              answer_tokens=answer)
-        return Plan(model, channel, queue_s, lat, None,
-                    f"{why}: kv when this model can continue the first handle's cache, else text_full")
+        return priced(channel, lat, None, f"{why}: kv when this model can continue the first handle's cache, else text_full")
 
     def predict(self, model: str, req: ChatRequest, opened: Sequence[Opened]) -> tuple[float, str]:
         """(predicted seconds, channel) of ``model`` under the request's SLO."""
@@ -258,15 +284,15 @@ class Scheduler:
         if len(ok) > 1 and all(p.draws is not None for p in ok):
             top = max(ok, key=lambda p: p.expected_success)
             as_good = [p for p in ok if p is top or not_credibly_worse(p.versus(top))]
-            best = min(as_good, key=lambda p: (p.predicted_s, -p.expected_success))
-            why = (f"{best.model}: the fastest of the {len(as_good)} whose P(success) is not credibly below the"
-                   f" best's ({top.model} {top.expected_success:.2f}), among {met}")
+            best = min(as_good, key=lambda p: (p.cost_s, -p.expected_success))
+            why = (f"{best.model}: the cheapest to the host of the {len(as_good)} whose P(success) is not credibly"
+                   f" below the best's ({top.model} {top.expected_success:.2f}), among {met}")
             if best is not top:
                 d = top.versus(best)
                 why += f", {100 * d.mean:+.0f} pts [{100 * d.ci_low:+.0f}, {100 * d.ci_high:+.0f}] over it"
         elif ok:
             best = max(ok, key=lambda p: (self.quality[p.model], -1.0 if p.expected_success is None
-                                          else p.expected_success, -p.predicted_s))
+                                          else p.expected_success, -p.cost_s))
             why = f"{best.model}: the most accurate of {met}"
         else:
             best = min(plans, key=lambda p: p.predicted_s)

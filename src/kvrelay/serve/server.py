@@ -23,6 +23,7 @@ from kvrelay.serve.pool import Pool, in_process_pool
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SECRET_BYTES = 16  # at least this many bytes in a --secret-file
+BACKLOG = 2048  # pending connections the listening socket holds (uvicorn's default)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Gateway:
         sock = socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((c.host, c.port))
+        sock.listen(BACKLOG)  # connections made once the URL is printed wait here until uvicorn accepts them
         host, port = sock.getsockname()[:2]
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         cfg = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(c.graceful_s),
