@@ -44,17 +44,11 @@ class Placement:
 
         return cls(socket.gethostname(), len(os.sched_getaffinity(0)), torch.get_num_threads())
 
-    def to_json(self) -> dict:
-        return {"host": self.host, "cores": self.cores, "threads": self.threads, "slots": self.slots}
-
 
 @dataclass(frozen=True, slots=True)
 class Sharing:
     stretch: float  # the request's service takes this many times its full-speed seconds
     imposed_per_s: float  # seconds of delay added to other requests per full-speed second of its service
-
-    def to_json(self) -> dict:
-        return {"stretch": self.stretch, "imposed_per_s": self.imposed_per_s}
 
 
 ALONE = Sharing(1.0, 0.0)
