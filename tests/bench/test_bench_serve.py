@@ -13,6 +13,7 @@ from kvrelay.bench.serve import (  # noqa: E402
     STRATEGIES,
     ServeBenchConfig,
     bench_serve,
+    credibly_dominating,
     dominated,
     versus,
 )
@@ -40,6 +41,8 @@ def test_every_strategy_reports_the_contract(result):
     for name in ("vllm", "vllm_prefix_arranged"):
         assert not rows[name]["run"] and rows[name]["reason"] and rows[name]["p50_s"] is None
     assert isinstance(result["scheduler_dominated"], bool)
+    assert result["scheduler_credibly_dominated"] == bool(result["credibly_dominated_by"])
+    assert set(result["credibly_dominated_by"]) <= set(result["versus_scheduler"])
     assert result["load_average"]["status"] in ("quiet", "loaded")
     # after each kvrelay strategy, what was measured so far (the CLI writes it: a stopped run keeps it)
     assert [[r["name"] for r in p["strategies"]] for p in result["parts"]] == \
@@ -98,6 +101,20 @@ def test_domination_needs_no_worse_on_both_and_better_on_one():
     assert dominated([me, row("a", 1.9, 0.5)])
     assert dominated([me, row("a", 2.0, 0.6)])
     assert not dominated([me, {"name": "vllm", "run": False, "p50_s": None, "accuracy": None}])
+
+
+def test_credible_domination_needs_an_interval_clear_of_no_difference():
+    def v(ratio, lo, hi, acc, acc_lo, acc_hi):
+        return {"workflows": 8, "latency_ratio": ratio, "latency_ratio_ci_low": lo, "latency_ratio_ci_high": hi,
+                "accuracy_delta": acc, "accuracy_delta_ci_low": acc_lo, "accuracy_delta_ci_high": acc_hi}
+
+    paired = {"noise": v(0.94, 0.89, 1.01, 0.0, 0.0, 0.0),  # faster by the point, not beyond noise
+              "faster": v(0.80, 0.70, 0.90, 0.0, -0.1, 0.1),  # credibly faster, as accurate
+              "faster_worse": v(0.70, 0.60, 0.80, -0.25, -0.5, 0.0),  # faster but less accurate
+              "better": v(1.00, 0.90, 1.10, 0.30, 0.10, 0.50),  # credibly more accurate, no slower
+              "better_slower": v(1.20, 1.10, 1.30, 0.30, 0.10, 0.50)}
+    assert credibly_dominating(paired) == ["faster", "better"]
+    assert credibly_dominating({}) == []
 
 
 def test_versus_pairs_workflows_by_task():

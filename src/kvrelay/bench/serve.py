@@ -46,7 +46,8 @@ strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap
 the 1-minute load average before and after. ``scheduler_dominated`` is true when another strategy
 that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md);
 ``versus_scheduler`` pairs each strategy with the scheduler workflow by workflow (``versus``), so a
-dominance that is run-to-run noise shows as a latency ratio whose interval spans 1.
+dominance that is run-to-run noise shows as a latency ratio whose interval spans 1, and
+``scheduler_credibly_dominated`` (``credibly_dominating``) is the dominance that survives that pairing.
 """
 
 from __future__ import annotations
@@ -284,6 +285,16 @@ def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
     return False
 
 
+def credibly_dominating(paired: dict[str, dict]) -> list[str]:
+    """The strategies that beat the scheduler beyond noise, from ``versus``: credibly faster workflow by
+    workflow (latency ratio interval below 1) at no lower accuracy (paired delta >= 0), or credibly more
+    accurate (delta interval above 0) at no higher latency (ratio <= 1). Between identical routings the
+    point rule (``dominated``) flips with run-to-run noise; this does not."""
+    return [name for name, v in paired.items()
+            if (v["latency_ratio_ci_high"] < 1.0 and v["accuracy_delta"] >= 0.0)
+            or (v["accuracy_delta_ci_low"] > 0.0 and v["latency_ratio"] <= 1.0)]
+
+
 def versus(rows: Sequence[dict], who: str = "scheduler") -> dict[str, dict]:
     """Each other strategy that ran against ``who``, paired on the workflows both ran (same tasks):
     ``latency_ratio`` — the geometric mean of its end-to-end seconds over ``who``'s, workflow by
@@ -424,7 +435,10 @@ def _peer_strategy(name: str, url: str, folder: Path, large: str, tasks: Sequenc
 def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: str) -> dict:
     ordered = [rows[s] for s in STRATEGIES if s in rows]
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
-    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "versus_scheduler": versus(ordered),
+    paired = versus(ordered)
+    beaten_by = credibly_dominating(paired)
+    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "versus_scheduler": paired,
+            "scheduler_credibly_dominated": bool(beaten_by), "credibly_dominated_by": beaten_by,
             "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,

@@ -41,7 +41,11 @@ def print_result(res: dict) -> None:
                 t.add_row(r["name"], *(f"{_fmt(c.get('p50_s'))} / {_fmt(c.get('accuracy'))} "
                                        f"[{_fmt(c.get('ci_low'))}, {_fmt(c.get('ci_high'))}]" for c in cells))
         console.print(t)
-    console.print(f"scheduler dominated: {res['scheduler_dominated']}")
+    console.print(f"scheduler dominated (point rule, p50 and accuracy): {res['scheduler_dominated']}")
+    if "scheduler_credibly_dominated" in res:
+        by = ", ".join(res["credibly_dominated_by"]) or "none"
+        console.print(f"scheduler credibly dominated (paired by workflow, 95% intervals): "
+                      f"{res['scheduler_credibly_dominated']} (by: {by})")
 
 
 @app.command("serve")
