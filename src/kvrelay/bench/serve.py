@@ -36,6 +36,12 @@ Strategies (``STRATEGIES``), all on the same tasks:
 Each peer strategy starts its own server (``peer_start_s`` in its row says how long it took to answer), so
 no peer strategy finds in a prefix cache the documents another one read.
 
+kvrelay's own strategies share one gateway and run **interleaved**: in rounds of ``clients`` workflows, each
+strategy answers the round's workflows in turn, the order rotating round by round, so a transient slowdown of
+the machine falls on every strategy alike rather than on whichever ran at the time (strategies run one after
+another differed by up to 30% on the same workflow for that reason alone). The peers cannot share rounds (each
+strategy starts its own server) and run after them.
+
 Before the timed workflows each server answers one untimed workflow on another task (``warm_up``): through
 every model of kvrelay's pool, and through each peer before its strategies, so no strategy pays a cold
 engine's first requests (kernel set-up, cache allocation) for the others. With ``batch``, the pages
@@ -365,14 +371,25 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
             progress("warming up: one untimed workflow per model")
             for m in pool.models:
                 warm_up(Route(url, lambda m=m: m, True), config)
-        for name in wanted:
-            for r in pool.all():  # with --batch, no strategy may take pages an earlier one left cached
-                if getattr(r, "batcher", None) is not None:
-                    r.batcher.drop_cached_pages()
-            progress(f"{name}: {config.workflows} workflows, {config.clients} clients")
-            before = load1()
-            records, wall = run_strategy(routes[name], tasks, config.clients, config.max_tokens, config.single)
-            rows[name] = summarize(name, records, wall, (before, load1())) | {"records": records}
+        done: dict[str, tuple[list[dict], float, float, float]] = {}  # name: (records, wall, load before, after)
+        step = config.clients  # a round: each strategy answers `clients` workflows at once
+        rounds = [tasks[i:i + step] for i in range(0, len(tasks), step)] if wanted else []
+        if wanted:
+            progress(f"{', '.join(wanted)}: {len(tasks)} workflows each in {len(rounds)} interleaved rounds, "
+                     f"{config.clients} clients")
+        for k, chunk in enumerate(rounds):
+            for name in wanted[k % len(wanted):] + wanted[:k % len(wanted)]:  # the order rotates round by round
+                for r in pool.all():  # with --batch, no strategy may take pages an earlier one left cached
+                    if getattr(r, "batcher", None) is not None:
+                        r.batcher.drop_cached_pages()
+                before = load1()
+                records, wall = run_strategy(routes[name], chunk, config.clients, config.max_tokens, config.single)
+                had, w, b, _ = done.get(name, ([], 0.0, before, before))
+                done[name] = (had + records, w + wall, b, load1())
+            for name in wanted:
+                records, wall, b, a = done[name]
+                rows[name] = summarize(name, records, wall, (b, a)) | {"records": records}
+            progress(f"round {k + 1}/{len(rounds)} done")
             checkpoint(_result(config, rows, small, large) | {"complete": False})
     folder = model_folder(large)
     peers = [("transformers_serve", None, lambda: transformers_serve(folder, config.threads)),
