@@ -135,6 +135,26 @@ def test_versus_pairs_workflows_by_task():
     s = out["always_largest"]
     assert s["latency_ratio_ci_low"] < 1 < s["latency_ratio_ci_high"] and s["accuracy_delta"] == 0
     assert versus([same, fast]) == {}  # no scheduler row
+    assert out["always_largest"]["units"] == 6
+
+
+def test_versus_resamples_rounds_not_the_workflows_that_shared_one():
+    """Two workflows of an interleaved round ran side by side: a slowdown in that round hits both, so
+    they count as one unit; counting them twice would narrow the interval."""
+    def row(name, e2e):
+        return {"name": name, "run": True,
+                "records": [{"task": f"t{i}", "e2e_s": e, "score": 1, "round": i // 2} for i, e in enumerate(e2e)]}
+
+    me = row("scheduler", [10] * 8)
+    other = row("always_largest", [13, 13, 10, 10, 10, 10, 10, 10])  # one slow round
+    by_round = versus([me, other])["always_largest"]
+    assert by_round["units"] == 4 and by_round["workflows"] == 8
+    for r in other["records"] + me["records"]:
+        del r["round"]
+    by_workflow = versus([me, other])["always_largest"]
+    assert by_workflow["units"] == 8
+    width = lambda v: v["latency_ratio_ci_high"] - v["latency_ratio_ci_low"]  # noqa: E731
+    assert width(by_round) > width(by_workflow)
 
 
 def test_cli_default_strategies_are_the_library_list():

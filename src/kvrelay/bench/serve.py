@@ -305,7 +305,10 @@ def versus(rows: Sequence[dict], who: str = "scheduler") -> dict[str, dict]:
     """Each other strategy that ran against ``who``, paired on the workflows both ran (same tasks):
     ``latency_ratio`` — the geometric mean of its end-to-end seconds over ``who``'s, workflow by
     workflow (< 1: faster) — and ``accuracy_delta`` (its score minus ``who``'s), each with a 95% BCa
-    interval. A point-rule dominance (``dominated``) whose latency interval spans 1 is run-to-run noise."""
+    interval. A point-rule dominance (``dominated``) whose latency interval spans 1 is run-to-run noise.
+    Workflows of one interleaved round ran side by side under the same conditions, so they are not
+    independent: the interval resamples rounds (their mean log ratio and delta), ``units`` says how many;
+    records without a shared round are their own units."""
     me = next((r for r in rows if r["name"] == who and r["run"] and r.get("records")), None)
     if me is None:
         return {}
@@ -317,9 +320,16 @@ def versus(rows: Sequence[dict], who: str = "scheduler") -> dict[str, dict]:
         pairs = [(r, mine[r["task"]]) for r in row["records"] if r["task"] in mine]
         if len(pairs) < 2:
             continue
-        lr = bca_ci([float(np.log(a["e2e_s"] / b["e2e_s"])) for a, b in pairs], seed=0)
-        acc = bca_ci([a["score"] - b["score"] for a, b in pairs], seed=0)
-        out[row["name"]] = {"workflows": len(pairs), "latency_ratio": float(np.exp(lr.estimate)),
+        units: dict[object, list[tuple[float, float]]] = {}  # round (interleaved runs) or workflow: its pairs
+        for i, (a, b) in enumerate(pairs):
+            same = a.get("round") is not None and a.get("round") == b.get("round")
+            units.setdefault(("round", a["round"]) if same else ("workflow", i), []).append(
+                (float(np.log(a["e2e_s"] / b["e2e_s"])), a["score"] - b["score"]))
+        if len(units) < 2:
+            continue
+        lr = bca_ci([float(np.mean([x for x, _ in u])) for u in units.values()], seed=0)
+        acc = bca_ci([float(np.mean([y for _, y in u])) for u in units.values()], seed=0)
+        out[row["name"]] = {"workflows": len(pairs), "units": len(units), "latency_ratio": float(np.exp(lr.estimate)),
                             "latency_ratio_ci_low": float(np.exp(lr.low)), "latency_ratio_ci_high": float(np.exp(lr.high)),
                             "accuracy_delta": acc.estimate, "accuracy_delta_ci_low": acc.low,
                             "accuracy_delta_ci_high": acc.high}
@@ -384,6 +394,7 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
                         r.batcher.drop_cached_pages()
                 before = load1()
                 records, wall = run_strategy(routes[name], chunk, config.clients, config.max_tokens, config.single)
+                records = [r | {"round": k} for r in records]
                 had, w, b, _ = done.get(name, ([], 0.0, before, before))
                 done[name] = (had + records, w + wall, b, load1())
             for name in wanted:
