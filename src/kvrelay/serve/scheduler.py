@@ -199,7 +199,7 @@ class Scheduler:
 
     def observe(self, model: str, res) -> None:
         """Learn ``model``'s full-speed rates from an answer: its seconds divided by the host contention it met."""
-        k = destretch(getattr(res, "host_busy", 1.0), self.slots[model])
+        k = destretch(res.host_busy, self.slots[model])
         prefill_s, decode_s, service_s = res.prefill_s / k, res.decode_s / k, max(res.total_s - res.queue_s, 0.0) / k
         with self._lock:
             c = self.costs.get(model)
