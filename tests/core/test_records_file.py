@@ -15,6 +15,7 @@ from kvrelay.core.records_file import (
     has_records,
     is_records_file,
     record_folders,
+    records_engine,
     records_file,
     unpack_records,
 )
@@ -53,3 +54,13 @@ def test_a_folder_of_audits_lists_the_ones_with_records(tmp_path):
     assert record_folders(tmp_path) == [tmp_path / "a", tmp_path / "b"]
     assert record_folders(tmp_path / "b") == [tmp_path / "b"]  # an audit folder itself
     assert record_folders(tmp_path / "missing") == []
+
+
+def test_the_engine_mode_of_a_folder_comes_from_its_config_then_its_run_file(tmp_path):
+    assert records_engine(tmp_path) is None  # nothing says: a reader that must not guess leaves it unchecked
+    (tmp_path / "run.json").write_text(json.dumps({"engine": "fp16w"}))
+    assert records_engine(tmp_path) == "fp16w"  # a config from before the engine mode was recorded
+    (tmp_path / "config.json").write_text(json.dumps({"versions": {"engine": "int8"}}))
+    assert records_engine(tmp_path) == "int8"
+    (tmp_path / "config.json").write_text("{not json")
+    assert records_engine(tmp_path) == "fp16w"  # an unreadable file says nothing

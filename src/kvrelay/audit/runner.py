@@ -63,7 +63,7 @@ from kvrelay.audit.tasks import Task, load_tasks, score
 from kvrelay.audit.vocab import PARTIAL_ARMS
 from kvrelay.core.errors import KVRelayError
 from kvrelay.core.jsonl import append_json_lines, resume_json_lines
-from kvrelay.core.records_file import records_file, unpack_records
+from kvrelay.core.records_file import records_engine, records_file, unpack_records
 from kvrelay.kv.payload import KVPayload
 from kvrelay.kv.transforms import select_tokens
 
@@ -376,7 +376,7 @@ class AuditRunner:
             raise AuditResumeMismatch(f"{self.out} holds records of another model ({prev.get('model')!r}, "
                                       f"fingerprint {fp[:12]}…); this run loads {self.cfg.model!r} "
                                       f"({self.versions['model_fingerprint'][:12]}…): use a new --out")
-        made_in = (prev.get("versions") or {}).get("engine") or _run_engine(self.out)
+        made_in = records_engine(self.out)
         if done and made_in is not None and made_in != self.versions["engine"]:
             raise AuditResumeMismatch(f"{self.out} holds records made in engine mode {made_in!r}; this run loads "
                                       f"{self.versions['engine']!r} (modes may answer differently): pass --engine "
@@ -419,14 +419,6 @@ class AuditRunner:
         for name, n in self.cfg.task_sets():
             self.run_set(name, done, lambda row: append_json_lines(unpack_records(self.out), [row]), limit=n)
         return self.records_path
-
-
-def _run_engine(out: Path) -> str | None:
-    """The engine mode ``run.json`` records for a folder whose ``config.json`` predates recording it."""
-    try:
-        return json.loads((out / "run.json").read_text()).get("engine")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
 
 
 def _version() -> str:

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
-from kvrelay.core.records_file import has_records, records_file
+from kvrelay.core.records_file import ENGINE_BEFORE_RECORDED, has_records, records_engine, records_file
 from kvrelay.policy.cost import CostProfile, Link
 from kvrelay.policy.decide import Request, Slo, decide
 from kvrelay.policy.features import Features, channel_key, channel_of_arm
@@ -52,11 +52,6 @@ DEFAULT_HELD_OUT = ("gen_easy", "arc_challenge")  # a private and a shared set; 
 def audit_folders(root: str | Path = "docs/audit") -> list[Path]:
     """The audit folders under ``root`` (each holding ``records.jsonl`` or ``records.jsonl.gz``), sorted."""
     return sorted(p for p in Path(root).iterdir() if p.is_dir() and has_records(p))
-
-
-def _engine(folder: Path) -> str:
-    run = folder / "run.json"
-    return json.loads(run.read_text()).get("engine", "fp32") if run.is_file() else "fp32"
 
 
 def task_texts(task_sets) -> callable:
@@ -76,8 +71,9 @@ def load_observations(folders, texts=None) -> tuple[list, list[dict]]:
     obs, rows = [], []
     for f in folders:
         recs = read_json_lines(records_file(f), cut_tail_ok=True)
-        obs += observations_from_records(recs, texts=texts, engine=_engine(Path(f)), source=str(f))
-        rows += [dict(r, _source=str(f), _engine=_engine(Path(f))) for r in recs]
+        engine = records_engine(f) or ENGINE_BEFORE_RECORDED
+        obs += observations_from_records(recs, texts=texts, engine=engine, source=str(f))
+        rows += [dict(r, _source=str(f), _engine=engine) for r in recs]
     return obs, rows
 
 

@@ -8,6 +8,7 @@ packs it again. A folder holding both is refused, since which one is current can
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvrelay.core.atomic import write_text_atomic
@@ -18,6 +19,7 @@ PLAIN = "records.jsonl"
 PACKED = "records.jsonl.gz"
 NAMES = (PLAIN, PACKED)
 DESCRIBED = "records.jsonl (or records.jsonl.gz)"  # how messages name the file a folder must hold
+ENGINE_BEFORE_RECORDED = "fp32"  # the engine mode of folders written before run files recorded one
 
 
 def records_file(folder: Path | str) -> Path:
@@ -60,3 +62,20 @@ def unpack_records(folder: Path | str) -> Path:
     plain = write_text_atomic(path.with_name(PLAIN), read_text(path))
     path.unlink()
     return plain
+
+
+def records_engine(folder: Path | str) -> str | None:
+    """The engine mode ``folder``'s trials were made in: ``config.json``'s ``versions.engine``, else the one
+    ``run.json`` records (folders whose config predates recording it); None when neither says (such folders
+    ran in ``ENGINE_BEFORE_RECORDED``, which a reader that must not guess leaves unchecked). Unreadable files
+    say nothing."""
+    folder = Path(folder)
+    for name, get in (("config.json", lambda d: (d.get("versions") or {}).get("engine")),
+                      ("run.json", lambda d: d.get("engine"))):
+        try:
+            made = get(json.loads((folder / name).read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        if made is not None:
+            return made
+    return None

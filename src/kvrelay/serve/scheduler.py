@@ -56,7 +56,7 @@ import numpy as np
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
-from kvrelay.core.records_file import DESCRIBED, records_file
+from kvrelay.core.records_file import DESCRIBED, ENGINE_BEFORE_RECORDED, records_engine, records_file
 from kvrelay.policy.cost import CodecCost, CostProfile
 from kvrelay.policy.decide import Request, Slo, not_credibly_worse
 from kvrelay.policy.decide import decide as policy_decide
@@ -175,8 +175,7 @@ def fit_value_models(folders: Iterable[str | Path]) -> dict[str, ValueModel]:
             raise InvalidInput(f"audit folder {f} has no config.json and {DESCRIBED}",
                                "a folder written by kvrelay audit --out")
         conf = json.loads(cfg.read_text(encoding="utf-8"))
-        run = f / "run.json"
-        engine = json.loads(run.read_text(encoding="utf-8")).get("engine", "fp32") if run.is_file() else "fp32"
+        engine = records_engine(f) or ENGINE_BEFORE_RECORDED
         by_model.setdefault(conf["model"], []).extend(
             observations_from_records(read_json_lines(recs, cut_tail_ok=True), engine=engine, source=str(f)))
     return {m: ValueModel.fit(obs, sources=tuple(sorted({o.source for o in obs}))) for m, obs in by_model.items()}
