@@ -25,7 +25,7 @@ FIELDS = {"name", "p50_s", "p99_s", "throughput_rps", "accuracy", "ci_low", "ci_
 @pytest.fixture(scope="module")
 def result():
     cfg = ServeBenchConfig(models=("tiny:qwen2", "tiny:llama"), workflows=3, clients=2, doc_tokens=96, max_tokens=6,
-                           slo_s=30.0, strategies=KVRELAY_STRATEGIES + ("vllm", "vllm_prefix_arranged"))
+                           slo_s=30.0, strategies=KVRELAY_STRATEGIES + ("vllm", "vllm_prefix_arranged"), replicas=2)
     parts: list[dict] = []
     res = bench_serve(cfg, checkpoint=parts.append)
     return res | {"parts": parts}
@@ -44,6 +44,7 @@ def test_every_strategy_reports_the_contract(result):
     assert result["scheduler_credibly_dominated"] == bool(result["credibly_dominated_by"])
     assert set(result["credibly_dominated_by"]) <= set(result["versus_scheduler"])
     assert result["load_average"]["status"] in ("quiet", "loaded")
+    assert result["replicas"] == 2  # two replicas per model: a handle one made, either continues (below)
     # kvrelay's strategies run interleaved, in rounds of `clients` workflows: after each round, what was
     # measured so far (the CLI writes it: a stopped run keeps it) — 2, then all 3 workflows of each strategy
     assert [[(r["name"], r["workflows"]) for r in p["strategies"]] for p in result["parts"]] == \
@@ -91,6 +92,8 @@ def test_shared_regime_workflows_alternate_with_private_ones_and_relay_writes_wh
         ServeBenchConfig(models=("tiny:qwen2",), regimes=("private", "private"))
     with pytest.raises(InvalidInput, match="regimes"):
         ServeBenchConfig(models=("tiny:qwen2",), regimes=("public",))
+    with pytest.raises(InvalidInput, match="replicas"):
+        ServeBenchConfig(models=("tiny:qwen2",), replicas=0)
 
 
 def test_domination_needs_no_worse_on_both_and_better_on_one():

@@ -118,6 +118,7 @@ class ServeBenchConfig:
     single: bool = False  # each workflow is one plain chat request (document + question): no hand-off
     batch: bool = False  # kvrelay's replicas answer concurrent requests together (serve.batcher)
     regimes: tuple[str, ...] = ("private",)  # REGIMES: whose workflows run (``workflows`` of each)
+    replicas: int = 1  # per model (kvrelay serve --replicas); a peer server gets threads × replicas threads
 
     def __post_init__(self):
         if not self.regimes or len(set(self.regimes)) != len(self.regimes) or set(self.regimes) - set(REGIMES):
@@ -126,9 +127,15 @@ class ServeBenchConfig:
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
             raise InvalidInput(f"unknown strategies {', '.join(bad)}", f"some of {', '.join(STRATEGIES)}")
-        if self.workflows < 1 or self.clients < 1 or self.doc_tokens < 64 or self.max_tokens < 1 or self.slo_s <= 0:
-            raise InvalidInput("--workflows, --clients, --doc-tokens, --max-tokens or --slo out of range",
-                               "workflows, clients, max-tokens >= 1, doc-tokens >= 64, a positive SLO")
+        if (self.workflows < 1 or self.clients < 1 or self.doc_tokens < 64 or self.max_tokens < 1 or self.slo_s <= 0
+                or self.replicas < 1):
+            raise InvalidInput("--workflows, --clients, --doc-tokens, --max-tokens, --slo or --replicas out of range",
+                               "workflows, clients, max-tokens, replicas >= 1, doc-tokens >= 64, a positive SLO")
+
+    @property
+    def peer_threads(self) -> int | None:
+        """A peer server's threads: the cores kvrelay's replicas of one model use together (None: its default)."""
+        return self.threads * self.replicas if self.threads else None
 
 
 # -- one workflow over HTTP ------------------------------------------------------------------------
@@ -220,7 +227,8 @@ def run_one(client, route: Route, task: Task, max_tokens: int, single: bool = Fa
                       "relayed_tokens": ext.get("relayed_tokens", 0),
                       "context": [c.get("fallback", c.get("channel")) for c in ext.get("context", [])],
                       "channel": (ext.get("scheduler") or {}).get("channel"),
-                      "reason": (ext.get("scheduler") or {}).get("reason")})
+                      "reason": (ext.get("scheduler") or {}).get("reason"),
+                      "predicted_s": (ext.get("scheduler") or {}).get("predicted")})  # per model, with model "auto"
     return {"task": task.id, "regime": task.regime, "e2e_s": time.perf_counter() - t0, "score": score(task, answer),
             "answer": answer, "steps": steps}
 
@@ -360,7 +368,8 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
     rows: dict[str, dict] = {}
     serve_cfg = ServeConfig(models=config.models, port=0, store="memory://bench-serve", max_tokens=config.max_tokens,
                             limit_max_tokens=max(config.max_tokens, 2048), threads=config.threads,
-                            engine=config.engine, slo_s=config.slo_s, audits=config.audits, batch=config.batch)
+                            engine=config.engine, slo_s=config.slo_s, audits=config.audits, batch=config.batch,
+                            replicas=config.replicas)
     wanted = [s for s in KVRELAY_STRATEGIES if s in config.strategies]
     gateway = Gateway(serve_cfg)
     with gateway as url:
@@ -403,8 +412,8 @@ def bench_serve(config: ServeBenchConfig, *, progress: Callable[[str], None] = l
             progress(f"round {k + 1}/{len(rounds)} done")
             checkpoint(_result(config, rows, small, large) | {"complete": False})
     folder = model_folder(large)
-    peers = [("transformers_serve", None, lambda: transformers_serve(folder, config.threads)),
-             ("vllm", vllm_available(), lambda: vllm_serve(folder, large, config.threads))]
+    peers = [("transformers_serve", None, lambda: transformers_serve(folder, config.peer_threads)),
+             ("vllm", vllm_available(), lambda: vllm_serve(folder, large, config.peer_threads))]
     for peer, missing, command in peers:
         names = [n for n in STRATEGIES if n.startswith(peer) and n in config.strategies]
         if names and (folder is None or missing):
@@ -470,6 +479,7 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
             "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,
+            "replicas": config.replicas,
             "doc_tokens": config.doc_tokens, "max_tokens": config.max_tokens,
             "slo_s": config.slo_s, "seed": config.seed, "warm_up": True, "audits": [str(a) for a in config.audits],
             "regimes": list(config.regimes),

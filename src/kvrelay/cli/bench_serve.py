@@ -21,7 +21,7 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def print_result(res: dict) -> None:
     t = Table(title=f"bench serve — {res['workflows']} workflows x {res.get('agents', 3)} agents, {res['clients']} clients, "
-                    f"~{res['doc_tokens']} document tokens (load: {(res['load_average'] or {}).get('status', '-')})")
+                    f"~{res['doc_tokens']} document tokens, {res.get('replicas', 1)} replica(s) per model (load: {(res['load_average'] or {}).get('status', '-')})")
     for c in ("strategy", "p50 s", "p99 s", "req/s", "accuracy", "95% CI", "relay hits", "fallbacks", "note"):
         t.add_column(c, justify="left" if c in ("strategy", "fallbacks", "note") else "right")
     for r in res["strategies"]:
@@ -69,6 +69,8 @@ def bench_serve_cmd(
     engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
     batch: bool = typer.Option(False, "--batch", help="kvrelay's replicas answer concurrent requests together "
                                "(kvrelay serve --batch; engine fp32)"),
+    replicas: int = typer.Option(1, help="replicas per model in kvrelay's pool (kvrelay serve --replicas); a peer "
+                                 "server then gets --threads x --replicas threads"),
     regimes: str = typer.Option("private", help="whose workflows run, comma-separated: private (a generated "
                                 "document only the reader sees), shared (ARC-Challenge problems every agent sees); "
                                 "--workflows of each, alternating"),
@@ -87,6 +89,7 @@ def bench_serve_cmd(
     v.positive(doc_tokens, "--doc-tokens", minimum=64)
     v.positive(max_tokens, "--max-tokens")
     v.positive(threads, "--threads")
+    v.positive(replicas, "--replicas")
     v.engine(engine)
     v.writable_path(json_path, "--json")
     audit_dirs = v.audit_folders(audits)
@@ -95,7 +98,7 @@ def bench_serve_cmd(
     cfg = ServeBenchConfig(models=names, workflows=workflows, clients=clients, doc_tokens=doc_tokens,
                            max_tokens=max_tokens, slo_s=slo, strategies=chosen, seed=seed, threads=threads,
                            engine=engine, audits=audit_dirs, single=single, batch=batch,
-                           regimes=regime_list)
+                           regimes=regime_list, replicas=replicas)
     res = bench_serve(cfg, progress=note,
                       checkpoint=lambda part: write_json(json_path, part | {"command": command_line()}))
     res["command"] = command_line()
