@@ -15,7 +15,7 @@ from kvrelay.policy.features import Features
 from kvrelay.policy.value import Observation, ValueModel
 from kvrelay.serve import handles
 from kvrelay.serve.chat import Message
-from kvrelay.serve.hosts import ALONE
+from kvrelay.serve.hosts import ALONE, destretch
 from kvrelay.serve.pool import Pool
 from kvrelay.serve.protocol import ChatRequest, Usage
 from kvrelay.serve.replica import Result
@@ -196,6 +196,56 @@ def test_rates_are_learned_at_full_speed(gateway):
         assert c.decode_s_per_token == pytest.approx(0.1 / 2) and c.service_s == pytest.approx(1.2 / 2)
     finally:
         for rep in gateway["pool"].all():
+            rep.observers.remove(s.observe)
+
+
+def test_prefill_is_a_fixed_cost_plus_a_rate():
+    """Short relayed turns and long documents together: the fitted line prices both."""
+    def took(x):
+        return 0.5 + 0.01 * x  # seconds: 0.5 fixed, 10 ms per token
+
+    c = Costs.first(200, took(200), 8, 0.8, 3.0)
+    assert c.prefill_fixed_s == 0 and c.prefill_s_per_token == pytest.approx(took(200) / 200)  # one length only
+    for x in (800, 40, 2000, 40):
+        c.update(x, took(x), 8, 0.8, 3.0, 0.0)
+    assert c.prefill_fixed_s == pytest.approx(0.5) and c.prefill_s_per_token == pytest.approx(0.01)
+    assert c.profile(BIG).prefill_s(2000) == pytest.approx(took(2000))  # through the origin: 0.0125/token, 25 s
+    same = Costs.first(300, 1.0, 8, 0.8, 3.0)
+    same.update(300, 1.2, 8, 0.8, 3.0, 0.0)  # one length: no slope to tell, the line through the origin
+    assert same.prefill_fixed_s == 0 and same.prefill_s_per_token == pytest.approx(1.06 / 300)
+
+
+def test_calibration_warms_up_with_two_prompt_lengths(gateway):
+    """Each model answers a short and a long warm-up, observed before calibrate returns; they seed its rates."""
+    pool = gateway["pool"]
+    s = Scheduler(pool)
+    seen: list = []
+
+    def record(model, res):
+        seen.append((model, res))
+
+    for rep in pool.all():
+        rep.observers.append(record)
+    try:
+        s.calibrate()
+        for model in pool.models:
+            short, long = [r for m, r in seen if m == model]  # both observed already: nothing waits on a thread
+            assert long.usage.prompt_tokens > 3 * short.usage.prompt_tokens
+            want = None
+            for r in (short, long):
+                k = destretch(r.host_busy, s.slots[model])
+                args = (r.usage.prompt_tokens - r.usage.relayed_tokens, r.prefill_s / k, r.usage.completion_tokens,
+                        r.decode_s / k)
+                if want is None:
+                    want = Costs.first(*args, (r.total_s - r.queue_s) / k)
+                else:
+                    want.update(*args, (r.total_s - r.queue_s) / k, 0.0)
+            got = s.costs[model]
+            assert (got.prefill_fixed_s, got.prefill_s_per_token, got.service_s) == \
+                pytest.approx((want.prefill_fixed_s, want.prefill_s_per_token, want.service_s), rel=1e-9)
+    finally:
+        for rep in pool.all():
+            rep.observers.remove(record)
             rep.observers.remove(s.observe)
 
 

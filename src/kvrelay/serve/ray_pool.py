@@ -101,9 +101,11 @@ class RayReplica:
                     elif kind == "error":
                         fut.set_exception(value)
                     else:
-                        fut.set_result(value)
-                        for observe in self.observers:
-                            observe(self.name, value)
+                        try:  # observed before the caller sees it, as in process (serve.replica)
+                            for observe in self.observers:
+                                observe(self.name, value)
+                        finally:
+                            fut.set_result(value)
             except BaseException as err:  # the actor died, or Ray failed: the caller sees it
                 if not fut.done():
                     fut.set_exception(err)

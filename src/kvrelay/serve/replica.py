@@ -216,9 +216,13 @@ class Replica:
                         return
 
     def _deliver(self, job: Job, res: Result) -> None:
-        job.future.set_result(res)
-        for observe in self.observers:
-            observe(self.name, res)
+        """The answer to its observers (metrics, the scheduler's rates), then to its caller: whoever waits on
+        it plans with what it taught."""
+        try:
+            for observe in self.observers:
+                observe(self.name, res)
+        finally:
+            job.future.set_result(res)
 
     # -- batching: a request starts in the engine, and finishes here when the engine is done -----
     def _start(self, job: Job) -> None:

@@ -3,8 +3,9 @@
 For each served model ``m`` the scheduler plans the request with the policy (``kvrelay.policy``):
 
 * **cost model** — a ``policy.cost.CostProfile`` of ``m`` built from what this server measures
-  (``Costs``: prefill and decode seconds per token, mean answer length; one warm-up request per
-  model at start-up, then every answer, exponential average ``ALPHA``), so ``CostProfile.latency_s``
+  (``Costs``: the prefill as a fixed cost plus seconds per token, decode seconds per token, mean answer
+  length; two warm-up requests of different lengths per model at start-up, then every answer,
+  exponentially weighted averages ``ALPHA``), so ``CostProfile.latency_s``
   prices each channel: ``kv`` prefills only the request's own turn (the first handle's cache is
   continued; fetching it is folded into the measured prefill rate), ``text_full`` re-encodes the
   handles' messages too, ``none`` answers without them;
@@ -70,17 +71,34 @@ from kvrelay.serve.protocol import ChatRequest
 
 CHARS_PER_TOKEN = 4.0  # English text and code with BPE tokenizers, roughly
 ALPHA = 0.3  # weight of the newest observation in the running averages
+SPREAD = 0.1  # prompt lengths must spread this much (std / mean) before the prefill line gets a fixed part
 WARMUP = "Read this and reply with one word. " * 24  # ~200 tokens
+WARMUPS = (WARMUP, WARMUP * 4)  # two prompt lengths: the prefill's fixed cost apart from its per-token rate
 RAW = CodecCost("raw", 1.0, 0.0, 0.0, lossless=True)  # the served cache: continued as stored, no codec
 EXHAUSTED_S = 1e-9  # the SLO budget left when the queue alone uses it up: no channel meets it
 
 
 @dataclass(slots=True)
 class Costs:
+    """A model's measured rates. Prefill seconds are a line in the prefilled tokens, ``prefill_fixed_s`` +
+    ``prefill_s_per_token`` × tokens, fitted by least squares on exponentially weighted moments (``ALPHA``)
+    of what answers took: a turn of 40 tokens costs little more than its fixed part, a 2,000-token
+    document mostly its tokens, and a rate through the origin fitted to the one would misprice the other."""
+
     prefill_s_per_token: float
     decode_s_per_token: float
     answer_tokens: float
     service_s: float
+    prefill_fixed_s: float = 0.0
+    moments: tuple[float, float, float, float] | None = None  # weighted means of x, y, x², xy (x tokens, y s)
+
+    @classmethod
+    def first(cls, prefill_tokens: int, prefill_s: float, answer_tokens: int, decode_s: float,
+              service_s: float) -> Costs:
+        """The rates one answer shows: the line through the origin and it, until answers of other lengths come."""
+        x = max(prefill_tokens, 1)
+        return cls(prefill_s / x, decode_s / max(answer_tokens - 1, 1), answer_tokens, service_s, 0.0,
+                   (x, prefill_s, x * x, x * prefill_s))
 
     def update(self, prefill_tokens: int, prefill_s: float, answer_tokens: int, decode_s: float, total_s: float,
                queue_s: float) -> None:
@@ -88,7 +106,10 @@ class Costs:
             return (1 - ALPHA) * old + ALPHA * new
 
         if prefill_tokens > 0:
-            self.prefill_s_per_token = ewma(self.prefill_s_per_token, prefill_s / prefill_tokens)
+            x, y = prefill_tokens, prefill_s
+            m = self.moments or (x, y, x * x, x * y)
+            self.moments = tuple(ewma(a, b) for a, b in zip(m, (x, y, x * x, x * y), strict=True))
+            self.prefill_fixed_s, self.prefill_s_per_token = prefill_line(self.moments)
         if answer_tokens > 1:
             self.decode_s_per_token = ewma(self.decode_s_per_token, decode_s / (answer_tokens - 1))
         self.answer_tokens = ewma(self.answer_tokens, answer_tokens)
@@ -96,9 +117,23 @@ class Costs:
 
     def profile(self, model: str) -> CostProfile:
         """This model's measured rates as a policy cost profile (in process: no link, no codec)."""
-        return CostProfile(model=model, prefill_fixed_s=0.0, prefill_s_per_token=self.prefill_s_per_token,
+        return CostProfile(model=model, prefill_fixed_s=self.prefill_fixed_s, prefill_s_per_token=self.prefill_s_per_token,
                            decode_s_per_token=self.decode_s_per_token, raw_bytes_per_token=0.0,
                            text_bytes_per_token=CHARS_PER_TOKEN, codecs=(RAW,))
+
+
+def prefill_line(moments: tuple[float, float, float, float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per token) of the least-squares line through weighted moments (mean x, y, x², xy).
+    Lengths too alike to tell a slope (spread under ``SPREAD`` of the mean), or a fit with a negative slope
+    or fixed part, fall back to the line through the origin."""
+    mx, my, mxx, mxy = moments
+    var, cov = mxx - mx * mx, mxy - mx * my
+    if var > (SPREAD * mx) ** 2 and cov > 0:
+        slope = cov / var
+        fixed = my - slope * mx
+        if fixed >= 0:
+            return fixed, slope
+    return 0.0, mxy / mxx if mxx > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,21 +235,24 @@ class Scheduler:
         """Learn ``model``'s full-speed rates from an answer: its seconds divided by the host contention it met."""
         k = destretch(res.host_busy, self.slots[model])
         prefill_s, decode_s, service_s = res.prefill_s / k, res.decode_s / k, max(res.total_s - res.queue_s, 0.0) / k
+        prefilled = res.usage.prompt_tokens - res.usage.relayed_tokens
+        n = res.usage.completion_tokens
         with self._lock:
             c = self.costs.get(model)
-            prefilled = res.usage.prompt_tokens - res.usage.relayed_tokens
-            n = res.usage.completion_tokens
             if c is None:  # the first answer seeds the averages
-                self.costs[model] = Costs(prefill_s / max(prefilled, 1), decode_s / max(n - 1, 1), n, service_s)
+                self.costs[model] = Costs.first(prefilled, prefill_s, n, decode_s, service_s)
             else:
                 c.update(prefilled, prefill_s, n, decode_s, service_s, 0.0)
 
     def calibrate(self, max_tokens: int = 8) -> None:
-        """One warm-up request per model, one model at a time, so predictions start from rates measured alone."""
+        """Two warm-up requests per model, a short prompt and one four times as long, one model at a time, so
+        predictions start from rates measured alone and the prefill's fixed cost is told from its per-token
+        rate (each answer is observed before its caller sees it: ``Replica``)."""
         for m in self.pool.models:
             if m not in self.costs:
-                self.pool.pick(m).submit(ChatRequest(m, (Message("user", WARMUP),), max_tokens, kv_handle=False),
-                                         []).result()
+                for text in WARMUPS:
+                    self.pool.pick(m).submit(ChatRequest(m, (Message("user", text),), max_tokens, kv_handle=False),
+                                             []).result()
 
     def can_continue(self, model: str, opened: Sequence[Opened]) -> bool:
         """Whether ``model`` may continue the first handle's cache (what its replica checks first)."""
