@@ -52,24 +52,82 @@ ROUND5 = [  # the look-ahead's selection, its kept values corrected by orthogona
 ROUND6 = [  # the sender checks candidate selections against its own look-ahead answer (``verified``)
     (None, 3, "headwise", 8, ""), (None, 3, "headwise", 8, "verify"), (None, 3, "headwise", 8, "verify-h"),
 ]
+ROUND7 = [  # the checked selection, then repaired where it still misses the look-ahead answer (``repaired``)
+    (None, 3, "headwise", 8, "verify"), (None, 3, "headwise", 8, "verify+repair"),
+    (None, 3, "headwise", 8, "verify+repair3"), (None, 3, "headwise", 8, "verify+prompt"),
+]
 CANDIDATES = {"verify": [(pool, mode) for pool in (1, 3, 5) for mode in ("headwise", "layerwise")],
               "verify-h": [(pool, "headwise") for pool in (1, 3, 5)]}
-ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5, 6: ROUND6}
+ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5, 6: ROUND6, 7: ROUND7}
 
 
-def verified(sender, payload, question, probe, budget, candidates, answer):
+@torch.inference_mode()
+def answer_check(model, part, question, answer) -> tuple[tuple[int, float], int]:
+    """``kv.partial.answer_fit``'s fit, and the first answer token the partial payload does not predict
+    greedily (``len(answer)`` when it predicts them all)."""
+    from kvrelay.kv.cache import to_cache
+
+    ids = torch.tensor([list(question) + list(answer)])
+    start, k = int(part.next_positions[0]), len(answer)
+    logits = model(input_ids=ids, position_ids=(start + torch.arange(ids.shape[1]))[None],
+                   cache=to_cache(part, model.config), use_cache=True, logits_to_keep=k + 1).logits[0, :k].float()
+    want = torch.tensor(list(answer))
+    hit = logits.argmax(-1) == want
+    miss = int((~hit).nonzero()[0, 0]) if not bool(hit.all()) else k
+    return (int(hit.sum()), float(logits.log_softmax(-1).gather(1, want[:, None]).sum())), miss
+
+
+def focus(probe, tokens):
+    """A probe whose scores weigh the look-ahead's rows (all answer tokens) and each of answer ``tokens``' own
+    rows equally: the positions the tokens the partial payload got wrong attend to move up."""
+    from kvrelay.kv.evict import AttentionProbe
+
+    k = probe.lookahead
+    rows = []
+    for p in probe.probs:  # (B, H_kv, group × k, T), answer token fastest
+        B, H, R, T = p.shape
+        by_token = p.reshape(B, H, R // k, k, T)
+        rows.append(torch.cat((p.mean(dim=2, keepdim=True),
+                               *(by_token[:, :, :, j].mean(dim=2, keepdim=True) for j in tokens)), dim=2))
+    return AttentionProbe(tuple(rows), 0, 0)
+
+
+def verified(sender, payload, question, probe, budget, candidates, answer, *, probes=(), repair=0, memo=None):
     """The candidate selection whose partial payload best reproduces the sender's own look-ahead answer
-    (``kv.partial.answer_fit``; ``PartialRequest(verify=True)`` does this over ``VERIFY_CANDIDATES``)."""
-    from kvrelay.kv.partial import PartialRequest, answer_fit, select
+    (``kv.partial.answer_fit``; ``PartialRequest(verify=True)`` does this over ``VERIFY_CANDIDATES``).
+    ``probes``: further scorings (name, probe), each selected under every candidate pool and mode as well.
+    ``repair`` > 0: while the best payload still mispredicts an answer token, select again (the best's pool
+    and mode) with the rows of every token mispredicted so far weighed in (``focus``), keeping the new
+    payload if it fits better; at most ``repair`` times. ``memo`` (a dict kept per task) shares the checked
+    selections between the variants of one task: the same selection is read once."""
+    from kvrelay.kv.partial import PartialRequest, select
+
+    memo = {} if memo is None else memo
+
+    def pick(key, pr, pool, mode):
+        if (key, pool, mode) not in memo:
+            req = PartialRequest(tuple(question), budget, pool=pool, mode=mode, lookahead=pr.lookahead, verify=False)
+            part = select(payload, req, probe=pr).compressed.decompress()
+            fit, miss = answer_check(sender.model, part, question, answer)
+            memo[key, pool, mode] = (fit, miss, part, pool, mode)
+        return memo[key, pool, mode]
 
     best = None
-    for pool, mode in candidates:
-        req = PartialRequest(tuple(question), budget, pool=pool, mode=mode, lookahead=probe.lookahead, verify=False)
-        part = select(payload, req, probe=probe).compressed.decompress()
-        fit = answer_fit(sender.model, part, question, answer)
-        if best is None or fit > best[0]:
-            best = (fit, part)
-    return best[1]
+    for key, pr in (("answer", probe), *probes):
+        for pool, mode in candidates:
+            c = pick(key, pr, pool, mode)
+            if best is None or c[0] > best[0]:
+                best = c
+    missed: tuple[int, ...] = ()
+    for _ in range(repair):
+        if best[1] >= len(answer):
+            break
+        missed += (best[1],)
+        c = pick(("focus", missed), focus(probe, missed), best[3], best[4])
+        if c[0] <= best[0]:
+            break
+        best = c
+    return best[2]
 
 
 def reweight(probe, how: str, payload, prompt_probe, answer_ids):
@@ -122,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="squad,gen_easy")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--offset", type=int, default=0, help="skip the first N tasks of each set (held-out choice)")
-    ap.add_argument("--round", type=int, choices=(1, 2, 3, 4, 5, 6), default=1, help="which list of variants")
+    ap.add_argument("--round", type=int, choices=tuple(ROUNDS), default=1, help="which list of variants")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -151,14 +209,18 @@ def main(argv=None) -> int:
         full = receiver.respond(task.prompt, payload)
         rows["full"].append(score(task, full.text))
         question = receiver.prompt_ids(task.prompt)
-        need = {v[3] for v in variants} | ({0} if any("prompt" in v[4] for v in variants) else set())
+        need = {v[3] for v in variants} | ({0} if any("prompt" in v[4] for v in variants) else set())  # look-aheads
         longest = answer_probe(sender.model, payload, question, max(need)) if max(need) else None
         probes = {n: longest.answer_prefix(n) if n else attention_probe(sender.model, payload, question)
                   for n in need}
+        memo: dict = {}  # this task's checked selections, shared by its variants
         for w, pool, mode, n, how in variants:
-            if how in CANDIDATES:  # the probe carries its look-ahead answer (no second decode)
-                part = verified(sender, payload, question, probes[n], Budget(fraction=a.budget), CANDIDATES[how],
-                                probes[n].answer)
+            base, _, extra = how.partition("+")
+            if base in CANDIDATES:  # the probe carries its look-ahead answer (no second decode)
+                more = (("prompt", reweight(probes[n], "prompt", payload, probes[0], [])),) if extra == "prompt" else ()
+                fix = {"repair": 1, "repair3": 3}.get(extra, 0)
+                part = verified(sender, payload, question, probes[n], Budget(fraction=a.budget), CANDIDATES[base],
+                                probes[n].answer, probes=more, repair=fix, memo=memo)
                 r = receiver.respond(task.prompt, part)
                 rows.setdefault(name(w, pool, mode, n, how), []).append(score(task, r.text))
                 same.setdefault(name(w, pool, mode, n, how), []).append(r.token_ids == full.token_ids)
