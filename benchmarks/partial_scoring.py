@@ -61,20 +61,14 @@ CANDIDATES = {"verify": [(pool, mode) for pool in (1, 3, 5) for mode in ("headwi
 ROUNDS = {1: VARIANTS, 2: ROUND2, 3: ROUND3, 4: ROUND4, 5: ROUND5, 6: ROUND6, 7: ROUND7}
 
 
-@torch.inference_mode()
 def answer_check(model, part, question, answer) -> tuple[tuple[int, float], int]:
     """``kv.partial.answer_fit``'s fit, and the first answer token the partial payload does not predict
     greedily (``len(answer)`` when it predicts them all)."""
-    from kvrelay.kv.cache import to_cache
+    from kvrelay.kv.partial import answer_hits
 
-    ids = torch.tensor([list(question) + list(answer)])
-    start, k = int(part.next_positions[0]), len(answer)
-    logits = model(input_ids=ids, position_ids=(start + torch.arange(ids.shape[1]))[None],
-                   cache=to_cache(part, model.config), use_cache=True, logits_to_keep=k + 1).logits[0, :k].float()
-    want = torch.tensor(list(answer))
-    hit = logits.argmax(-1) == want
-    miss = int((~hit).nonzero()[0, 0]) if not bool(hit.all()) else k
-    return (int(hit.sum()), float(logits.log_softmax(-1).gather(1, want[:, None]).sum())), miss
+    hit, logp = answer_hits(model, part, question, answer)
+    miss = int((~hit).nonzero()[0, 0]) if not bool(hit.all()) else len(answer)
+    return (int(hit.sum()), logp), miss
 
 
 def focus(probe, tokens):

@@ -267,10 +267,17 @@ def _choose(p, request: PartialRequest, probe: AttentionProbe) -> tuple[Compress
     return c, kept, int(plan.shape[2])
 
 
-@torch.inference_mode()
 def answer_fit(model, part, question_ids, answer) -> tuple[int, float]:
     """How well a (partial) payload reproduces ``answer`` after ``question_ids``, teacher-forced in one
     forward: (answer tokens it predicts greedily, their summed log-probability); larger is better."""
+    hit, logp = answer_hits(model, part, question_ids, answer)
+    return int(hit.sum()), logp
+
+
+@torch.inference_mode()
+def answer_hits(model, part, question_ids, answer) -> tuple[torch.Tensor, float]:
+    """``answer_fit``'s forward, token by token: (hit (k,) bool, whether each answer token is the greedy
+    prediction; the answer's summed log-probability)."""
     from kvrelay.kv.cache import to_cache
 
     ids = torch.tensor([list(question_ids) + list(answer)])  # (1, q + k)
@@ -280,7 +287,7 @@ def answer_fit(model, part, question_ids, answer) -> tuple[int, float]:
                    logits_to_keep=k + 1).logits[0].float()  # (k + 1, V): from the question's last token on
     want = torch.tensor(list(answer))
     at = logits[:k]  # (k, V): the logits that predict each answer token
-    return int((at.argmax(-1) == want).sum()), float(at.log_softmax(-1).gather(1, want[:, None]).sum())
+    return at.argmax(-1) == want, float(at.log_softmax(-1).gather(1, want[:, None]).sum())
 
 
 def request_probe(model, p, request: PartialRequest) -> AttentionProbe:
