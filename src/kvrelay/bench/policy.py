@@ -36,7 +36,7 @@ import numpy as np
 
 from kvrelay.core.errors import InvalidInput
 from kvrelay.core.jsonl import read_json_lines
-from kvrelay.core.records_file import ENGINE_BEFORE_RECORDED, has_records, records_engine, records_file
+from kvrelay.core.records_file import ENGINE_BEFORE_RECORDED, record_folders, records_engine, records_file
 from kvrelay.policy.cost import CostProfile, Link
 from kvrelay.policy.decide import Request, Slo, decide
 from kvrelay.policy.features import Features, channel_key, channel_of_arm
@@ -45,13 +45,9 @@ from kvrelay.policy.value import ValueModel, mean_ci, observations_from_records
 LINKS = {"fast": Link(1000.0), "slow": Link(20.0)}
 CHANNELS = (("none", None), ("text_full", None), ("kv", "raw"), ("kv", "int8"))
 STRATEGIES = ("always_text", "always_kv", "always_kv_int8", "always_none", "random", "checklist", "learned")
+AUDITS = "docs/audit"  # the folder of audits replayed when no folders are given
 PER_SET = 48  # held-out tasks replayed per task set
 DEFAULT_HELD_OUT = ("gen_easy", "arc_challenge")  # a private and a shared set; the fit keeps squad, gen_grid, openbookqa
-
-
-def audit_folders(root: str | Path = "docs/audit") -> list[Path]:
-    """The audit folders under ``root`` (each holding ``records.jsonl`` or ``records.jsonl.gz``), sorted."""
-    return sorted(p for p in Path(root).iterdir() if p.is_dir() and has_records(p))
 
 
 def task_texts(task_sets) -> callable:
@@ -124,7 +120,7 @@ def _checklist(f: Features, link: Link, cost: CostProfile, prompt_tokens: int) -
 def bench_policy(cost: CostProfile, *, folders=None, held_out=DEFAULT_HELD_OUT, links=None, seed: int = 0,
                  slo_s: float | None = None, n_boot: int = 200, texts=None, per_set: int | None = PER_SET) -> dict:
     """The ``bench policy`` dict (docs/json.md)."""
-    folders = [Path(f) for f in (folders if folders is not None else audit_folders())]
+    folders = [Path(f) for f in (folders if folders is not None else record_folders(AUDITS))]
     links = links or LINKS
     held = set(held_out)
     if texts is None:

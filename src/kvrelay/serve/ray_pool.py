@@ -22,6 +22,7 @@ from kvrelay.serve import handles
 from kvrelay.serve.hosts import Placement
 from kvrelay.serve.pool import Pool
 from kvrelay.serve.protocol import ChatRequest
+from kvrelay.serve.replica import deliver
 from kvrelay.workflows.ray_executor import ModelSpec
 
 MAX_IN_FLIGHT = 64  # concurrent calls an actor accepts (they wait in the replica's queue)
@@ -101,11 +102,7 @@ class RayReplica:
                     elif kind == "error":
                         fut.set_exception(value)
                     else:
-                        try:  # observed before the caller sees it, as in process (serve.replica)
-                            for observe in self.observers:
-                                observe(self.name, value)
-                        finally:
-                            fut.set_result(value)
+                        deliver(self.observers, self.name, fut, value)
             except BaseException as err:  # the actor died, or Ray failed: the caller sees it
                 if not fut.done():
                     fut.set_exception(err)

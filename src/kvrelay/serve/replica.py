@@ -132,6 +132,16 @@ class Deltas:
             self.emit(text[len(self.sent):])
 
 
+def deliver(observers: Sequence[Callable[[str, Result], None]], name: str, future: Future, res: Result) -> None:
+    """An answer to the replica's observers (metrics, the scheduler's rates), then to its caller: whoever
+    waits on it plans with what it taught. In process and on Ray alike."""
+    try:
+        for observe in observers:
+            observe(name, res)
+    finally:
+        future.set_result(res)
+
+
 class Replica:
     """One loaded model behind a FIFO queue and one worker thread.
 
@@ -216,13 +226,7 @@ class Replica:
                         return
 
     def _deliver(self, job: Job, res: Result) -> None:
-        """The answer to its observers (metrics, the scheduler's rates), then to its caller: whoever waits on
-        it plans with what it taught."""
-        try:
-            for observe in self.observers:
-                observe(self.name, res)
-        finally:
-            job.future.set_result(res)
+        deliver(self.observers, self.name, job.future, res)
 
     # -- batching: a request starts in the engine, and finishes here when the engine is done -----
     def _start(self, job: Job) -> None:
