@@ -14,7 +14,8 @@ from kvrelay.bench.serve import (  # noqa: E402
     ServeBenchConfig,
     bench_serve,
     credibly_dominating,
-    dominated,
+    dominating,
+    point_dominating,
     versus,
 )
 from kvrelay.core.errors import InvalidInput  # noqa: E402
@@ -41,8 +42,9 @@ def test_every_strategy_reports_the_contract(result):
     for name in ("vllm", "vllm_prefix_arranged"):
         assert not rows[name]["run"] and rows[name]["reason"] and rows[name]["p50_s"] is None
     assert isinstance(result["scheduler_dominated"], bool)
-    assert result["scheduler_credibly_dominated"] == bool(result["credibly_dominated_by"])
-    assert set(result["credibly_dominated_by"]) <= set(result["versus_scheduler"])
+    assert result["scheduler_dominated"] == bool(result["dominated_by"])
+    assert result["scheduler_point_dominated"] == bool(result["point_dominated_by"])
+    assert set(result["dominated_by"]) <= set(result["versus_scheduler"]) | set(result["point_dominated_by"])
     assert result["load_average"]["status"] in ("quiet", "loaded")
     assert result["replicas"] == 2  # two replicas per model: a handle one made, either continues (below)
     # kvrelay's strategies run interleaved, in rounds of `clients` workflows: after each round, what was
@@ -96,15 +98,28 @@ def test_shared_regime_workflows_alternate_with_private_ones_and_relay_writes_wh
         ServeBenchConfig(models=("tiny:qwen2",), replicas=0)
 
 
-def test_domination_needs_no_worse_on_both_and_better_on_one():
+def test_point_domination_needs_no_worse_on_both_and_better_on_one():
     def row(name, p50, acc):
         return {"name": name, "run": True, "p50_s": p50, "accuracy": acc}
 
     me = row("scheduler", 2.0, 0.5)
-    assert not dominated([me, row("a", 2.0, 0.5), row("b", 1.0, 0.4), row("c", 3.0, 0.9)])
-    assert dominated([me, row("a", 1.9, 0.5)])
-    assert dominated([me, row("a", 2.0, 0.6)])
-    assert not dominated([me, {"name": "vllm", "run": False, "p50_s": None, "accuracy": None}])
+    assert point_dominating([me, row("a", 2.0, 0.5), row("b", 1.0, 0.4), row("c", 3.0, 0.9)]) == []
+    assert point_dominating([me, row("a", 1.9, 0.5)]) == ["a"]
+    assert point_dominating([me, row("a", 2.0, 0.6)]) == ["a"]
+    assert point_dominating([me, {"name": "vllm", "run": False, "p50_s": None, "accuracy": None}]) == []
+
+
+def test_a_paired_strategy_dominates_only_beyond_noise_an_unpaired_one_by_its_point():
+    def row(name, p50, acc):
+        return {"name": name, "run": True, "p50_s": p50, "accuracy": acc}
+
+    rows = [row("scheduler", 39.0, 0.625), row("always_largest", 38.0, 0.625), row("unpaired", 30.0, 0.625),
+            row("credible", 35.0, 0.625)]
+    tie = {"workflows": 8, "latency_ratio": 0.98, "latency_ratio_ci_low": 0.9, "latency_ratio_ci_high": 1.06,
+           "accuracy_delta": 0.0, "accuracy_delta_ci_low": 0.0, "accuracy_delta_ci_high": 0.0}
+    paired = {"always_largest": tie, "credible": tie | {"latency_ratio": 0.9, "latency_ratio_ci_high": 0.95}}
+    assert point_dominating(rows) == ["always_largest", "unpaired", "credible"]
+    assert dominating(rows, paired) == ["unpaired", "credible"]  # the tie of identical routings is not a win
 
 
 def test_credible_domination_needs_an_interval_clear_of_no_difference():

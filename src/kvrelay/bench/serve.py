@@ -49,11 +49,14 @@ kvrelay's replicas keep for prefix sharing are dropped before each strategy (``B
 so none reuses the documents an earlier strategy read; a peer starts with an empty cache. Per strategy: p50 / p99
 end-to-end workflow latency, throughput (requests per second of the
 strategy's wall time), accuracy with a BCa bootstrap interval (``audit.bootstrap.bca_ci``), and
-the 1-minute load average before and after. ``scheduler_dominated`` is true when another strategy
-that ran has a p50 no higher and an accuracy no lower, one of them strictly (docs/json.md);
-``versus_scheduler`` pairs each strategy with the scheduler workflow by workflow (``versus``), so a
-dominance that is run-to-run noise shows as a latency ratio whose interval spans 1, and
-``scheduler_credibly_dominated`` (``credibly_dominating``) is the dominance that survives that pairing.
+the 1-minute load average before and after. ``versus_scheduler`` pairs each strategy with the scheduler
+workflow by workflow (``versus``). ``scheduler_dominated`` is true when another strategy beats the scheduler
+beyond run-to-run noise in that pairing (``credibly_dominating``: credibly faster at no lower accuracy, or
+credibly more accurate at no higher latency), by the point rule for a strategy that cannot be paired
+(``dominating``). ``scheduler_point_dominated`` is the point rule alone — a p50 no higher and an accuracy no
+lower, one of them strictly — which flips between two strategies that route every request alike (the
+scheduler choosing the largest model for everything ties ``always_largest``), so it is reported, not judged
+by (docs/json.md).
 """
 
 from __future__ import annotations
@@ -285,25 +288,29 @@ def not_run(name: str, reason: str) -> dict:
             "accuracy": None, "ci_low": None, "ci_high": None}
 
 
-def dominated(rows: Sequence[dict], who: str = "scheduler") -> bool:
-    """Whether another strategy that ran is at least as fast (p50) and as accurate, and better in one."""
+def point_dominating(rows: Sequence[dict], who: str = "scheduler") -> list[str]:
+    """The other strategies that ran at least as fast (p50) and as accurate as ``who``, better in one."""
     me = next((r for r in rows if r["name"] == who and r["run"]), None)
     if me is None:
-        return False
-    for r in rows:
-        if r["name"] == who or not r["run"]:
-            continue
-        if r["p50_s"] <= me["p50_s"] and r["accuracy"] >= me["accuracy"] and \
-                (r["p50_s"] < me["p50_s"] or r["accuracy"] > me["accuracy"]):
-            return True
-    return False
+        return []
+    return [r["name"] for r in rows if r["name"] != who and r["run"]
+            and r["p50_s"] <= me["p50_s"] and r["accuracy"] >= me["accuracy"]
+            and (r["p50_s"] < me["p50_s"] or r["accuracy"] > me["accuracy"])]
+
+
+def dominating(rows: Sequence[dict], paired: dict[str, dict], who: str = "scheduler") -> list[str]:
+    """The strategies that beat ``who``: beyond noise for those paired with it workflow by workflow
+    (``credibly_dominating`` on ``paired``), by the point rule for those that could not be paired."""
+    credible = set(credibly_dominating(paired))
+    point = set(point_dominating(rows, who))
+    return [r["name"] for r in rows if r["name"] in credible or (r["name"] in point and r["name"] not in paired)]
 
 
 def credibly_dominating(paired: dict[str, dict]) -> list[str]:
     """The strategies that beat the scheduler beyond noise, from ``versus``: credibly faster workflow by
     workflow (latency ratio interval below 1) at no lower accuracy (paired delta >= 0), or credibly more
     accurate (delta interval above 0) at no higher latency (ratio <= 1). Between identical routings the
-    point rule (``dominated``) flips with run-to-run noise; this does not."""
+    point rule (``point_dominating``) flips with run-to-run noise; this does not."""
     return [name for name, v in paired.items()
             if (v["latency_ratio_ci_high"] < 1.0 and v["accuracy_delta"] >= 0.0)
             or (v["accuracy_delta_ci_low"] > 0.0 and v["latency_ratio"] <= 1.0)]
@@ -313,7 +320,7 @@ def versus(rows: Sequence[dict], who: str = "scheduler") -> dict[str, dict]:
     """Each other strategy that ran against ``who``, paired on the workflows both ran (same tasks):
     ``latency_ratio`` — the geometric mean of its end-to-end seconds over ``who``'s, workflow by
     workflow (< 1: faster) — and ``accuracy_delta`` (its score minus ``who``'s), each with a 95% BCa
-    interval. A point-rule dominance (``dominated``) whose latency interval spans 1 is run-to-run noise.
+    interval. A point-rule dominance (``point_dominating``) whose latency interval spans 1 is run-to-run noise.
     Workflows of one interleaved round ran side by side under the same conditions, so they are not
     independent: the interval resamples rounds (their mean log ratio and delta), ``units`` says how many;
     records without a shared round are their own units."""
@@ -473,9 +480,9 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     ordered = [rows[s] for s in STRATEGIES if s in rows]
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
     paired = versus(ordered)
-    beaten_by = credibly_dominating(paired)
-    return {"strategies": ordered, "scheduler_dominated": dominated(ordered), "versus_scheduler": paired,
-            "scheduler_credibly_dominated": bool(beaten_by), "credibly_dominated_by": beaten_by,
+    beaten_by, point_by = dominating(ordered, paired), point_dominating(ordered)
+    return {"strategies": ordered, "scheduler_dominated": bool(beaten_by), "dominated_by": beaten_by,
+            "scheduler_point_dominated": bool(point_by), "point_dominated_by": point_by, "versus_scheduler": paired,
             "complete": True,
             "models": list(config.models), "smallest": small, "largest": large, "workflows": config.workflows,
             "clients": config.clients, "agents": 1 if config.single else 3, "engine": config.engine, "batch": config.batch,

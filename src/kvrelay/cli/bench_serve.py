@@ -41,11 +41,10 @@ def print_result(res: dict) -> None:
                 t.add_row(r["name"], *(f"{_fmt(c.get('p50_s'))} / {_fmt(c.get('accuracy'))} "
                                        f"[{_fmt(c.get('ci_low'))}, {_fmt(c.get('ci_high'))}]" for c in cells))
         console.print(t)
-    console.print(f"scheduler dominated (point rule, p50 and accuracy): {res['scheduler_dominated']}")
-    if "scheduler_credibly_dominated" in res:
-        by = ", ".join(res["credibly_dominated_by"]) or "none"
-        console.print(f"scheduler credibly dominated (paired by workflow, 95% intervals): "
-                      f"{res['scheduler_credibly_dominated']} (by: {by})")
+    console.print(f"scheduler dominated (paired by workflow, beyond the 95% intervals): {res['scheduler_dominated']} "
+                  f"(by: {', '.join(res['dominated_by']) or 'none'})")
+    console.print(f"on point estimates alone (p50 and accuracy): {res['scheduler_point_dominated']} "
+                  f"(by: {', '.join(res['point_dominated_by']) or 'none'})")
 
 
 @app.command("serve")
