@@ -98,6 +98,16 @@ def test_shared_regime_workflows_alternate_with_private_ones_and_relay_writes_wh
         ServeBenchConfig(models=("tiny:qwen2",), replicas=0)
 
 
+def test_the_cli_prints_both_dominance_rules_with_who(result, capsys):
+    from kvrelay.cli.bench_serve import print_result
+
+    print_result(result)
+    out = capsys.readouterr().out
+    judged = f"paired by workflow, beyond the 95% intervals): {result['scheduler_dominated']}"
+    assert judged in " ".join(out.split())
+    assert f"on point estimates alone (p50 and accuracy): {result['scheduler_point_dominated']}" in " ".join(out.split())
+
+
 def test_point_domination_needs_no_worse_on_both_and_better_on_one():
     def row(name, p50, acc):
         return {"name": name, "run": True, "p50_s": p50, "accuracy": acc}
