@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvrelay.bench.partial import Trial, run, summarize
+from kvrelay.bench.partial import Trial, by_set, run, summarize
 from kvrelay.cli.app import app
 
 
@@ -41,6 +41,22 @@ def test_receiver_driven_is_paired_with_agnostic_eviction_and_the_note_on_the_sa
     assert rd["delta_vs_text_message_ci_low"] <= rd["delta_vs_text_message"] <= rd["delta_vs_text_message_ci_high"]
 
 
+def test_each_task_set_is_summarized_on_its_own():
+    def in_set(trial: Trial, name: str) -> Trial:
+        return Trial(trial.task, name, *[getattr(trial, f) for f in list(Trial.__dataclass_fields__)[2:]])
+
+    easy = [in_set(t(f"e{i}", m, 1.0, b), "gen_easy") for i in range(6) for m, b in (("full", 1.0),
+                                                                                    ("receiver_driven", 0.25))]
+    squad = [in_set(t(f"s{i}", "full", 1.0), "squad") for i in range(6)]
+    squad += [in_set(t(f"s{i}", "receiver_driven", float(i < 3), 0.25), "squad") for i in range(6)]
+    sets = by_set(easy + squad)
+    assert list(sets) == ["gen_easy", "squad"]
+    delta = {name: {r["method"]: r["delta_vs_full"] for r in rows}["receiver_driven"] for name, rows in sets.items()}
+    assert delta == {"gen_easy": 0.0, "squad": -50.0}  # the pooled -25 is all SQuAD's
+    pooled = {r["method"]: r for r in summarize(easy + squad)}["receiver_driven"]
+    assert pooled["delta_vs_full"] == pytest.approx(-25.0) and pooled["n"] == 12
+
+
 def test_full_budget_partial_answers_like_full_relay(tiny_by_arch):
     from kvrelay.audit.tasks import load_tasks
 
@@ -71,6 +87,8 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     by = {row["method"]: row for row in d["rows"] if row["budget"] == 0.25}
     assert by["receiver_driven+int8"]["bytes"] < by["receiver_driven"]["bytes"] < by["receiver_driven"]["bytes"] * 4
     assert d["command"].startswith("kvrelay bench partial") and "load1_before" in d["load_average"]
+    assert list(d["by_set"]) == ["gen_easy"] and d["by_set"]["gen_easy"] == d["rows"]  # one set: the same rows
+    assert d["trials_run"] == len(d["rows"]) * 2  # every method and budget on both tasks
     for row in d["rows"]:  # the partial rows say what of their TTFT was the sender's scoring and selecting
         partial = row["method"].startswith(("receiver_driven", "evict_agnostic"))
         assert (row["probe_s"] is not None and row["select_s"] is not None) == partial
@@ -80,6 +98,7 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     r2 = CliRunner().invoke(app, argv)  # resumed: nothing rerun, same rows
     assert r2.exit_code == 0 and rec.read_text().splitlines() == lines
     assert json.loads(out.read_text())["rows"] == d["rows"]
+    assert json.loads(out.read_text())["trials_run"] == 0  # rebuilt from the records
     assert {"window", "pool", "lookahead"} <= set(d["setup"])
     r3 = CliRunner().invoke(app, [*argv, "--pool", "5", "--lookahead", "0"])  # other scoring: its own trials
     assert r3.exit_code == 0, r3.output

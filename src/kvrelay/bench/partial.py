@@ -186,6 +186,12 @@ def summarize(trials: Sequence[Trial]) -> list[dict]:
     return rows
 
 
+def by_set(trials: Sequence[Trial]) -> dict[str, list[dict]]:
+    """``summarize`` on each task set's trials alone, ``{task_set: rows}``: where a pooled difference comes
+    from (one set can carry a loss the other does not show)."""
+    return {name: summarize([t for t in trials if t.task_set == name]) for name in sorted({t.task_set for t in trials})}
+
+
 def _median(values) -> float | None:
     """The median of the values recorded (None where no trial recorded one)."""
     have = [v for v in values if v is not None]

@@ -91,7 +91,7 @@ def partial(
     for name in task_sets:
         v.choice(name, "--tasks", available())
 
-    from kvrelay.bench.partial import plot, run, select_trials, summarize, trial_row
+    from kvrelay.bench.partial import by_set, plot, run, select_trials, summarize, trial_row
     from kvrelay.cli.common import command_line, load_for_cli, state, write_json
     from kvrelay.core.jsonl import append_json_lines, resume_json_lines
 
@@ -124,13 +124,18 @@ def partial(
         trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
                      max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
                      progress=not state.quiet, scoring=scoring)
-    rows = summarize(trials)
+    rows, sets = summarize(trials), by_set(trials)
     load_after = os.getloadavg()[0]
     n_tasks = len({t.task for t in trials})
     print_rows(rows, f"bench partial — {model}, {n_tasks} tasks ({', '.join(task_sets)}), points 0–100")
+    if len(sets) > 1:
+        for name, set_rows in sets.items():
+            print_rows(set_rows, f"{name} alone — {len({t.task for t in trials if t.task_set == name})} tasks")
     if n_tasks < 200:
         console.print(f"[yellow]note:[/yellow] {n_tasks} tasks; a verdict on ±3 points needs about 200 per set")
-    out = {"rows": rows, "model": model, "tasks": {"sets": list(task_sets), "limit": limit, "n": n_tasks},
+    reused = {id(t) for t in done}
+    out = {"rows": rows, "by_set": sets, "trials_run": sum(id(t) not in reused for t in trials), "model": model,
+           "tasks": {"sets": list(task_sets), "limit": limit, "n": n_tasks},
            "setup": setup, "records": str(records) if records else None, "threads": threads,
            "load_average": {"load1_before": round(load_before, 2), "load1_after": round(load_after, 2),
                             "status": "loaded" if max(load_before, load_after) > (threads or 2) + 0.5 else "quiet"},
