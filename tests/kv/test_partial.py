@@ -161,14 +161,17 @@ def test_request_wire_round_trip_and_refusals():
     del older["backfill"]  # a request from before the field: no backfill
     assert PartialRequest.from_bytes(json.dumps(older).encode()).backfill is False
     for bad in ({"pool": 4}, {"pool": 0}, {"window": 0}, {"window": 1.5}, {"lookahead": -1}, {"lookahead": 2.0},
-                {"backfill": 1}, {"backfill": "yes"}, {"verify": 1}):
-        with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill|verify"):
+                {"backfill": 1}, {"backfill": "yes"}, {"verify": 1}, {"first_exact": 1}):
+        with pytest.raises(InvalidInput, match="window|pool|lookahead|backfill|verify|first_exact"):
             PartialRequest((1,), Budget(top_k=3), **bad)
     v = PartialRequest((5, 6, 7), Budget(fraction=0.25), verify=True)
     assert PartialRequest.from_bytes(v.to_bytes()) == v
     older = json.loads(v.to_bytes())
-    del older["verify"]
+    del older["verify"], older["first_exact"]
     assert PartialRequest.from_bytes(json.dumps(older).encode()).verify is False
+    assert PartialRequest.from_bytes(json.dumps(older).encode()).first_exact is False
+    first = PartialRequest((5, 6, 7), Budget(fraction=0.25), verify=True, first_exact=True)
+    assert PartialRequest.from_bytes(first.to_bytes()) == first
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -202,6 +205,14 @@ def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, a
     assert got.checked == len(distinct)
     first_best = next(c for c in order if fits[c][0] == fit)  # ties go to the earlier candidate
     assert torch.equal(got.kept, fits[first_best][1].kept)
+    # first_exact: the first candidate (in the same order) that predicts every look-ahead token is sent unchecked
+    # by the rest; without one, the same choice as checking them all
+    exact = select(p, dataclasses.replace(req, first_exact=True), model=lm.model, probe=probe)
+    perfect = next((c for c in order if fits[c][0][0] == len(probe.answer)), None)
+    assert perfect is not None  # at 60% of the positions some candidate reproduces the tiny model's answer
+    assert torch.equal(exact.kept, fits[perfect][1].kept) and (exact.pool, exact.mode) == perfect
+    upto = order[:order.index(perfect) + 1]
+    assert exact.checked == len({str(fits[c][1].kept.tolist()) for c in upto}) < got.checked  # fewer forwards
     tiny = select(p, dataclasses.replace(req, budget=Budget(fraction=0.01)), model=lm.model, probe=probe)
     assert tiny.checked == 1 and (tiny.pool, tiny.mode) == own  # only the sinks and the recent tail: one selection
     with pytest.raises(ValueError, match="pass model="):

@@ -220,7 +220,7 @@ def trial_row(setup: dict, trial: Trial) -> dict:
     return {"setup": setup, **asdict(trial)}
 
 
-SETUP_DEFAULTS = {"verify": False, "backfill": False}  # setup fields that rows written before them ran without
+SETUP_DEFAULTS = {"verify": False, "backfill": False, "first_exact": False}  # fields rows written before them ran without
 
 
 def select_trials(rows: Sequence[dict], setup: dict, where: object = "records") -> list[Trial]:

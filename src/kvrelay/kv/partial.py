@@ -105,6 +105,8 @@ class PartialRequest:
     backfill: bool = False  # correct the kept values for what the dropped ones gave the probe's rows (OBF)
     verify: bool = DEFAULT_VERIFY  # the sender checks candidate selections against its look-ahead answer
     # (with a look-ahead and every layer; a layer subset keeps the request's own pool and mode)
+    first_exact: bool = False  # with ``verify``: send the first candidate that predicts every look-ahead
+    # token, without checking the rest (fewer of the sender's forwards; a tie on tokens is not broken)
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
@@ -123,6 +125,8 @@ class PartialRequest:
             raise InvalidInput(f"backfill {self.backfill!r}", "backfill must be true or false")
         if type(self.verify) is not bool:
             raise InvalidInput(f"verify {self.verify!r}", "verify must be true or false")
+        if type(self.first_exact) is not bool:
+            raise InvalidInput(f"first_exact {self.first_exact!r}", "first_exact must be true or false")
         enc = parse(self.encoding)
         if enc.stages:
             raise InvalidInput(f"encoding {self.encoding!r}", "a representation only (raw, fp16, int8, ...); "
@@ -136,7 +140,8 @@ class PartialRequest:
              "top_k": self.budget.top_k, "nbytes": self.budget.nbytes,
              "layers": list(self.layers) if self.layers is not None else None, "encoding": self.encoding,
              "mode": self.mode, "sink": self.sink, "recent": self.recent, "window": self.window, "pool": self.pool,
-             "lookahead": self.lookahead, "backfill": self.backfill, "verify": self.verify}
+             "lookahead": self.lookahead, "backfill": self.backfill, "verify": self.verify,
+             "first_exact": self.first_exact}
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -149,7 +154,7 @@ class PartialRequest:
             layers = tuple(d["layers"]) if d["layers"] is not None else None
             return cls(tuple(d["question_ids"]), budget, layers, d["encoding"], d["mode"], d["sink"], d["recent"],
                        d.get("window"), d.get("pool", 1), d.get("lookahead", 0), d.get("backfill", False),
-                       d.get("verify", False))
+                       d.get("verify", False), d.get("first_exact", False))
         except CorruptPayload:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -206,7 +211,8 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
     the same budget and the one whose partial payload best reproduces the sender's answer (``answer_fit``)
     is sent; otherwise the request's own pool and mode (``PartialSelection.pool``, ``.mode`` say which).
     A candidate that keeps the same positions as an earlier one is not read again (``.checked`` counts
-    the candidates read); on equal fits the earlier candidate is sent.
+    the candidates read); on equal fits the earlier candidate is sent. With ``first_exact`` the checking
+    stops at the first candidate that predicts every look-ahead token.
     """
     if p.batch_size != 1 or not bool(p.mask.all()):
         raise ValueError("a partial payload is chosen for one unpadded row")
@@ -234,6 +240,8 @@ def select(p, request: PartialRequest, *, model=None, probe: AttentionProbe | No
         fit = answer_fit(model, c.decompress(), request.question_ids, probe.answer) if len(options) > 1 else None
         if best is None or fit > best_fit:
             best, best_fit = (c, kept, n, r), fit
+        if request.first_exact and fit is not None and fit[0] == len(probe.answer):
+            break  # every look-ahead token predicted: no candidate can predict more
     c, kept, n, r = best
     checked = len(seen) if len(options) > 1 else 0
     return PartialSelection(c, kept, n, p.num_tokens, score_s, time.perf_counter() - t1, r.pool, r.mode, checked)
