@@ -106,14 +106,16 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     assert again[: len(lines)] == lines and len(again) == 2 * len(lines)
     assert json.loads(out.read_text())["setup"] | {"pool": 5, "lookahead": 0} == json.loads(out.read_text())["setup"]
     assert json.loads(out.read_text())["setup"]["verify"] is True  # the default
+    assert json.loads(out.read_text())["setup"]["first_exact"] is True  # the default
     r4 = CliRunner().invoke(app, [*argv, "--no-verify"])  # one selection, unchecked: its own trials
     assert r4.exit_code == 0, r4.output
     assert len(rec.read_text().splitlines()) == 3 * len(lines)
-    # records written before the verify and backfill fields ran without them (both off): they still resume
+    # records written before the verify, backfill and first_exact fields ran without them (all off): they resume
     old = [json.loads(x) for x in rec.read_text().splitlines()]
     for row in old:
         if row["setup"]["verify"] is False:
-            row["setup"].pop("verify"), row["setup"].pop("backfill")
+            assert row["setup"]["first_exact"] is False  # unchecked: first_exact means nothing, recorded off
+            row["setup"].pop("verify"), row["setup"].pop("backfill"), row["setup"].pop("first_exact")
         row.pop("probe_s"), row.pop("select_s")  # and before the hop's parts were recorded
     rec.write_text("".join(json.dumps(row) + "\n" for row in old))
     r5 = CliRunner().invoke(app, [*argv, "--no-verify"])

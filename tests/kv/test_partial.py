@@ -186,7 +186,7 @@ def test_verify_sends_the_candidate_that_best_reproduces_the_look_ahead(cases, a
     probe = answer_probe(lm.model, p, question, 4)
     assert len(probe.answer) == probe.lookahead > 0
     assert answer_fit(lm.model, p, question, probe.answer)[0] == len(probe.answer)  # the answer is the greedy one
-    req = PartialRequest(tuple(question), Budget(fraction=0.6), lookahead=4, verify=True)
+    req = PartialRequest(tuple(question), Budget(fraction=0.6), lookahead=4, verify=True, first_exact=False)
     got = select(p, req, model=lm.model, probe=probe)
     fits = {}
     for pool, mode in VERIFY_CANDIDATES:

@@ -52,8 +52,9 @@ def partial(
                                   "of the prompt's (0: by the prompt; default: a partial request's)"),
     verify: bool = typer.Option(None, "--verify/--no-verify", help="the sender tries several selections and sends "
                                 "the one that best reproduces its look-ahead answer (default: a partial request's)"),
-    first_exact: bool = typer.Option(False, "--first-exact/--all-candidates", help="with verify: send the first "
-                                     "candidate that predicts every look-ahead token, without checking the rest"),
+    first_exact: bool = typer.Option(None, "--first-exact/--all-candidates", help="with verify: send the first "
+                                     "candidate that predicts every look-ahead token, without checking the rest "
+                                     "(default: a partial request's)"),
     backfill: bool = typer.Option(False, "--backfill/--no-backfill", help="correct the kept values by orthogonal "
                                   "backfill over the scoring rows (both eviction methods)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
@@ -99,12 +100,20 @@ def partial(
 
     per_set = [[(name, t) for t in load_tasks(name, limit=limit, seed=0)] for name in task_sets]
     task_list = [x for group in zip_longest(*per_set) for x in group if x is not None]  # sets interleaved
-    from kvrelay.kv.partial import DEFAULT_LOOKAHEAD, DEFAULT_POOL, DEFAULT_VERIFY, DEFAULT_WINDOW
+    from kvrelay.kv.partial import (
+        DEFAULT_FIRST_EXACT,
+        DEFAULT_LOOKAHEAD,
+        DEFAULT_POOL,
+        DEFAULT_VERIFY,
+        DEFAULT_WINDOW,
+    )
 
+    checked = DEFAULT_VERIFY if verify is None else verify
     scoring = {"window": DEFAULT_WINDOW if window is None else (window or None),
                "pool": DEFAULT_POOL if pool is None else pool,
                "lookahead": DEFAULT_LOOKAHEAD if lookahead is None else lookahead,
-               "verify": DEFAULT_VERIFY if verify is None else verify, "backfill": backfill, "first_exact": first_exact}
+               "verify": checked, "backfill": backfill,  # first_exact means nothing unchecked: off, as records say
+               "first_exact": checked and (DEFAULT_FIRST_EXACT if first_exact is None else first_exact)}
     setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
              "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
     try:  # a line cut short by a killed run goes before anything is appended

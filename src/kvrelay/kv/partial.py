@@ -10,7 +10,8 @@ window, ``evict.recent_floor``). With ``lookahead`` N > 0 (the default, 8) the s
 the question itself for N greedy tokens on its full cache and scores by those tokens' attention instead
 (``evict.answer_probe``): they look where the receiver's answer will look. With ``verify`` (the default)
 the sender makes that selection under each of ``VERIFY_CANDIDATES`` (pool widths and modes) and sends the
-one whose partial payload best reproduces its own look-ahead answer (``answer_fit``, teacher-forced);
+one whose partial payload best reproduces its own look-ahead answer (``answer_fit``, teacher-forced),
+stopping at the first that reproduces all of it (``first_exact``, the default);
 ``backfill`` corrects the kept values by orthogonal backfill. The result travels through
 the codec chain (``kv.codecs``: an optional layer subset, then raw/fp16/int8/int4).
 
@@ -56,6 +57,7 @@ DEFAULT_WINDOW: int | None = None  # question tokens whose attention scores the 
 DEFAULT_POOL = 3  # neighbouring positions a score is max-pooled over (docs/layouts.md: the ablation)
 DEFAULT_LOOKAHEAD = 8  # the sender's own answer tokens that score the cache (0: the question's)
 DEFAULT_VERIFY = True  # try VERIFY_CANDIDATES and send the one that best reproduces the look-ahead answer
+DEFAULT_FIRST_EXACT = True  # with verify: stop at the first candidate that predicts the whole look-ahead answer
 VERIFY_CANDIDATES = ((1, "headwise"), (3, "headwise"), (5, "headwise"),
                      (1, "layerwise"), (3, "layerwise"), (5, "layerwise"))  # (pool, mode)
 
@@ -105,8 +107,9 @@ class PartialRequest:
     backfill: bool = False  # correct the kept values for what the dropped ones gave the probe's rows (OBF)
     verify: bool = DEFAULT_VERIFY  # the sender checks candidate selections against its look-ahead answer
     # (with a look-ahead and every layer; a layer subset keeps the request's own pool and mode)
-    first_exact: bool = False  # with ``verify``: send the first candidate that predicts every look-ahead
-    # token, without checking the rest (fewer of the sender's forwards; a tie on tokens is not broken)
+    first_exact: bool = DEFAULT_FIRST_EXACT  # with ``verify``: send the first candidate that predicts every
+    # look-ahead token, without checking the rest (fewer of the sender's forwards; a tie on tokens is not broken
+    # by log-likelihood). A request from before this field (none on the wire) checked every candidate.
 
     def __post_init__(self):
         if not self.question_ids or any(type(i) is not int or i < 0 for i in self.question_ids):
