@@ -98,7 +98,7 @@ class Costs:
         """The rates one answer shows: the line through the origin and it, until answers of other lengths come."""
         x = max(prefill_tokens, 1)
         return cls(prefill_s / x, decode_s / max(answer_tokens - 1, 1), answer_tokens, service_s, 0.0,
-                   (x, prefill_s, x * x, x * prefill_s))
+                   moments_of(x, prefill_s))
 
     def update(self, prefill_tokens: int, prefill_s: float, answer_tokens: int, decode_s: float, total_s: float,
                queue_s: float) -> None:
@@ -106,9 +106,8 @@ class Costs:
             return (1 - ALPHA) * old + ALPHA * new
 
         if prefill_tokens > 0:
-            x, y = prefill_tokens, prefill_s
-            m = self.moments or (x, y, x * x, x * y)
-            self.moments = tuple(ewma(a, b) for a, b in zip(m, (x, y, x * x, x * y), strict=True))
+            point = moments_of(prefill_tokens, prefill_s)
+            self.moments = tuple(ewma(a, b) for a, b in zip(self.moments or point, point, strict=True))
             self.prefill_fixed_s, self.prefill_s_per_token = prefill_line(self.moments)
         if answer_tokens > 1:
             self.decode_s_per_token = ewma(self.decode_s_per_token, decode_s / (answer_tokens - 1))
@@ -120,6 +119,11 @@ class Costs:
         return CostProfile(model=model, prefill_fixed_s=self.prefill_fixed_s, prefill_s_per_token=self.prefill_s_per_token,
                            decode_s_per_token=self.decode_s_per_token, raw_bytes_per_token=0.0,
                            text_bytes_per_token=CHARS_PER_TOKEN, codecs=(RAW,))
+
+
+def moments_of(tokens: float, seconds: float) -> tuple[float, float, float, float]:
+    """One prefill's contribution to the moments ``prefill_line`` fits: (x, y, x², xy)."""
+    return tokens, seconds, tokens * tokens, tokens * seconds
 
 
 def prefill_line(moments: tuple[float, float, float, float]) -> tuple[float, float]:
