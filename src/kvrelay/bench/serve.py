@@ -298,11 +298,11 @@ def point_dominating(rows: Sequence[dict], who: str = "scheduler") -> list[str]:
             and (r["p50_s"] < me["p50_s"] or r["accuracy"] > me["accuracy"])]
 
 
-def dominating(rows: Sequence[dict], paired: dict[str, dict], who: str = "scheduler") -> list[str]:
-    """The strategies that beat ``who``: beyond noise for those paired with it workflow by workflow
-    (``credibly_dominating`` on ``paired``), by the point rule for those that could not be paired."""
+def dominating(rows: Sequence[dict], paired: dict[str, dict], point: Sequence[str]) -> list[str]:
+    """The strategies that beat the scheduler: beyond noise for those paired with it workflow by workflow
+    (``credibly_dominating`` on ``paired``), by the point rule (``point``, from ``point_dominating``) for
+    those that could not be paired."""
     credible = set(credibly_dominating(paired))
-    point = set(point_dominating(rows, who))
     return [r["name"] for r in rows if r["name"] in credible or (r["name"] in point and r["name"] not in paired)]
 
 
@@ -480,7 +480,8 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
     ordered = [rows[s] for s in STRATEGIES if s in rows]
     loads = [x for r in ordered if r["run"] for x in (r["load1_before"], r["load1_after"])]
     paired = versus(ordered)
-    beaten_by, point_by = dominating(ordered, paired), point_dominating(ordered)
+    point_by = point_dominating(ordered)
+    beaten_by = dominating(ordered, paired, point_by)
     return {"strategies": ordered, "scheduler_dominated": bool(beaten_by), "dominated_by": beaten_by,
             "scheduler_point_dominated": bool(point_by), "point_dominated_by": point_by, "versus_scheduler": paired,
             "complete": True,
