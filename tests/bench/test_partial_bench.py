@@ -123,6 +123,33 @@ def test_bench_partial_cli_writes_rows_and_resumes(tmp_path):
     assert all(row["select_s"] is None for row in json.loads(out.read_text())["rows"])  # not recorded: not 0
 
 
+def test_a_wider_run_reuses_the_recorded_trials_and_runs_only_the_others(tmp_path):
+    """Adding methods, budgets or codings to a recorded run makes only the new trials, and the rows equal
+    those of one fresh run with everything (greedy answers do not depend on the methods beside them)."""
+    rec, fresh, out = tmp_path / "rec.jsonl", tmp_path / "fresh.jsonl", tmp_path / "p.json"
+    base = ["bench", "partial", "--model", "tiny:qwen2", "--tasks", "gen_easy", "--limit", "2",
+            "--max-new-tokens", "3", "--json", str(out)]
+    narrow = [*base, "--budgets", "0.25", "--encodings", "raw", "--methods", "full,receiver_driven"]
+    wide = [*base, "--budgets", "0.25,0.5", "--encodings", "raw,int8", "--methods", "full,receiver_driven,none"]
+    assert CliRunner().invoke(app, [*narrow, "--records", str(rec)]).exit_code == 0
+    assert json.loads(out.read_text())["trials_run"] == 2 * 2
+    r = CliRunner().invoke(app, [*wide, "--records", str(rec)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    # per task: receiver_driven at 0.5, +int8 at 0.25 and 0.5, none — full and receiver_driven 0.25 reused
+    assert (d["trials_run"], d["trials_reused"]) == (2 * 4, 2 * 2)
+    assert CliRunner().invoke(app, [*wide, "--records", str(fresh)]).exit_code == 0
+    once = json.loads(out.read_text())
+    assert json.loads(out.read_text())["trials_run"] == 2 * 6
+
+    def scores(rows):
+        return {(x["method"], x["budget"]): (x["accuracy"], x["n"], x["kept"]) for x in rows}
+
+    assert scores(d["rows"]) == scores(once["rows"])
+    r = CliRunner().invoke(app, [*wide, "--pool", "5", "--records", str(rec)])  # other scoring: none reused
+    assert r.exit_code == 0 and json.loads(out.read_text())["trials_reused"] == 0
+
+
 def test_bench_partial_mistakes(tmp_path):
     r = CliRunner().invoke(app, ["bench", "partial", "--model", "tiny:qwen2", "--budgets", "0.25,2"])
     assert r.exit_code == 2 and "expected a number in (0, 1]" in r.output

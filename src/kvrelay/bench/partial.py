@@ -19,7 +19,9 @@ counts the extra hop (request bytes, the sender's scoring forward, selection, re
 for ``text_message`` the sender's writing is reported apart (``sender_s``).
 
 Trials can be kept as JSON lines (one line per method and budget, a task's lines written together): a
-later run with the same setup reads them back and runs only the missing tasks.
+later run with the same scoring setup reads them back and runs only the missing trials — a task recorded
+for some methods, budgets or codings runs only the others (greedy answers do not depend on which other
+methods ran beside them).
 """
 
 from __future__ import annotations
@@ -75,12 +77,26 @@ def _method_name(base: str, encoding: str) -> str:
     return base if encoding == "raw" else f"{base}+{encoding}"
 
 
+def trial_keys(budgets: Sequence[float], encodings: Sequence[str], methods: Sequence[str]) -> list[tuple[str, float]]:
+    """The ``(method, budget)`` trials a task gets: ``full`` and the text methods once (budget 1), each
+    partial method at every coding and budget (``receiver_driven+int8``)."""
+    keys = []
+    for base in (m for m in METHODS if m in methods):
+        if base in (RECEIVER, AGNOSTIC):
+            keys += [(_method_name(base, enc), b) for enc in encodings for b in budgets]
+        else:
+            keys.append((base, 1.0))
+    return keys
+
+
 def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets: Sequence[float],
              encodings: Sequence[str], methods: Sequence[str], message_tokens: int,
-             scoring: dict | None = None) -> list[Trial]:
-    """Every method on one task; the document read once. ``scoring``: ``PartialRequest``'s ``window``,
-    ``pool``, ``lookahead``, ``verify`` and ``backfill`` for both partial methods (default: the request's defaults; the agnostic
-    eviction scores by the sender's own last tokens whatever the lookahead)."""
+             scoring: dict | None = None, only: set[tuple[str, float]] | None = None) -> list[Trial]:
+    """Every method on one task (those of ``only``'s ``(method, budget)`` keys, when given); the document
+    read once. ``scoring``: ``PartialRequest``'s ``window``, ``pool``, ``lookahead``, ``verify`` and
+    ``backfill`` for both partial methods (default: the request's defaults; the agnostic eviction scores by
+    the sender's own last tokens whatever the lookahead)."""
+    wanted = set(trial_keys(budgets, encodings, methods)) if only is None else set(only)
     payload = sender.read(task.context)
     T = payload.num_tokens
     out = []
@@ -90,34 +106,39 @@ def run_task(sender: Agent, receiver: Agent, task: Task, task_set: str, budgets:
         out.append(Trial(task.id, task_set, method, budget, score(task, r.text), nbytes, ttft, sender_s, kept, T,
                          probe_s, select_s))
 
-    if FULL in methods:
+    def needs(base: str) -> bool:
+        return any(m.split("+")[0] == base for m, _ in wanted)
+
+    if needs(FULL):
         r = receiver.respond(task.prompt, payload)
         trial(FULL, 1.0, r, len(wire.encode(payload)), r.ttft_s)
     probes = {}
-    if RECEIVER in methods:
+    if needs(RECEIVER):
         t0 = time.perf_counter()
         request = make_request(receiver, task.prompt, Budget(fraction=1.0), **(scoring or {}))
         probes[RECEIVER] = (request_probe(sender.model, payload, request), time.perf_counter() - t0)
-    if AGNOSTIC in methods:
+    if needs(AGNOSTIC):
         t0 = time.perf_counter()
         probes[AGNOSTIC] = (attention_probe(sender.model, payload), time.perf_counter() - t0)
     for base, (probe, probe_s) in probes.items():
         for enc in encodings:
             for b in budgets:
+                if (_method_name(base, enc), b) not in wanted:
+                    continue
                 o = partial_relay(sender, payload, receiver, task.prompt, Budget(fraction=b), probe=probe,
                                   encoding=enc, **(scoring or {}))
                 trial(_method_name(base, enc), b, o.response, o.hop.reply_bytes, o.ttft_s + probe_s,
                       kept=o.selection.fraction, probe_s=probe_s, select_s=o.hop.select_s)
-    if "text_full" in methods:
+    if needs("text_full"):
         r = receiver.respond(task.prompt, payload.token_ids)
         trial("text_full", 1.0, r, len(task.context.encode()), r.ttft_s)
-    if "text_message" in methods:
+    if needs("text_message"):
         t0 = time.perf_counter()
         note = sender.respond(MESSAGE_PROMPT.format(question=task.prompt), payload, max_new_tokens=message_tokens)
         spent = time.perf_counter() - t0
         r = receiver.respond(task.prompt, note.text)
         trial("text_message", 1.0, r, len(note.text.encode()), r.ttft_s, sender_s=spent)
-    if "none" in methods:
+    if needs("none"):
         r = receiver.respond(task.prompt, None)
         trial("none", 1.0, r, 0, r.ttft_s)
     return out
@@ -127,21 +148,25 @@ def run(lm, tasks: Sequence[tuple[str, Task]], *, budgets: Sequence[float] = DEF
         encodings: Sequence[str] = ENCODINGS, methods: Sequence[str] = METHODS, max_new_tokens: int = 12,
         message_tokens: int = 64, done: Sequence[Trial] = (), sink: Callable[[list[Trial]], None] | None = None,
         progress: bool = True, scoring: dict | None = None) -> list[Trial]:
-    """Every method on every ``(task_set, task)``; tasks already in ``done`` are taken from there."""
+    """Every method on every ``(task_set, task)``; trials already in ``done`` (same scoring setup, from
+    any run) are taken from there, and only the missing ones run."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown methods {unknown}; expected some of {list(METHODS)}")
-    sender = Agent(lm, "sender", SENDER_ROLE)
-    receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=max_new_tokens)
-    have: dict[str, list[Trial]] = {}
-    for t in done:
-        have.setdefault(t.task, []).append(t)
+    keys = trial_keys(budgets, encodings, methods)
+    have = recorded(done)
+    sender = receiver = None
     trials: list[Trial] = []
     for task_set, task in tqdm(tasks, desc="bench partial", disable=not progress):
-        if task.id in have:
-            trials += have[task.id]
+        trials += [have[(task.id, *k)] for k in keys if (task.id, *k) in have]
+        todo = {k for k in keys if (task.id, *k) not in have}
+        if not todo:
             continue
-        mine = run_task(sender, receiver, task, task_set, budgets, encodings, methods, message_tokens, scoring)
+        if sender is None:
+            sender = Agent(lm, "sender", SENDER_ROLE)
+            receiver = Agent(lm, "receiver", RECEIVER_ROLE, max_new_tokens=max_new_tokens)
+        mine = run_task(sender, receiver, task, task_set, budgets, encodings, methods, message_tokens, scoring,
+                        only=todo)
         trials += mine
         if sink is not None:
             sink(mine)
@@ -216,23 +241,44 @@ def _versus(rows: list[dict], trials: Sequence[Trial]) -> None:
             row[f"delta_vs_{key}_ci_low"], row[f"delta_vs_{key}_ci_high"] = lo, hi
 
 
+def recorded(trials: Sequence[Trial]) -> dict[tuple[str, str, float], Trial]:
+    """``{(task, method, budget): trial}``, the first of any repeats."""
+    out: dict[tuple[str, str, float], Trial] = {}
+    for t in trials:
+        out.setdefault((t.task, t.method, t.budget), t)
+    return out
+
+
+def missing(tasks: Sequence[tuple[str, Task]], done: Sequence[Trial], budgets: Sequence[float],
+            encodings: Sequence[str], methods: Sequence[str]) -> int:
+    """How many of the trials ``run`` would make are not in ``done``."""
+    have, keys = recorded(done), trial_keys(budgets, encodings, methods)
+    return sum((task.id, *k) not in have for _, task in tasks for k in keys)
+
+
 def trial_row(setup: dict, trial: Trial) -> dict:
     return {"setup": setup, **asdict(trial)}
 
 
 SETUP_DEFAULTS = {"verify": False, "backfill": False, "first_exact": False}  # fields rows written before them ran without
+WHAT_RAN = ("budgets", "encodings", "methods")  # setup fields that say which trials a run made, not how
+
+
+def _how(setup: dict) -> dict:
+    return {k: v for k, v in {**SETUP_DEFAULTS, **setup}.items() if k not in WHAT_RAN}
 
 
 def select_trials(rows: Sequence[dict], setup: dict, where: object = "records") -> list[Trial]:
-    """The :func:`trial_row` rows run with exactly ``setup``, as trials (others are left alone); a row that
-    lacks a field of ``SETUP_DEFAULTS`` ran with its default."""
+    """The :func:`trial_row` rows run the way ``setup`` says (model, tokens, scoring; whatever methods,
+    budgets and codings their run had), as trials (others are left alone); a row that lacks a field of
+    ``SETUP_DEFAULTS`` ran with its default."""
     fields = set(Trial.__dataclass_fields__)
     needed = fields - set(OPTIONAL)
     out = []
     for i, row in enumerate(rows, 1):
         if not needed <= set(row) or "setup" not in row:
             raise ValueError(f"{where}: line {i}: expected a bench partial trial with setup and {sorted(needed)}")
-        if {**SETUP_DEFAULTS, **row["setup"]} == {**SETUP_DEFAULTS, **setup}:
+        if _how(row["setup"]) == _how(setup):
             out.append(Trial(**{f: row[f] for f in fields if f in row}))
     return out
 

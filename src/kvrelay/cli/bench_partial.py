@@ -59,8 +59,9 @@ def partial(
                                   "backfill over the scoring rows (both eviction methods)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's)"),
-    records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed (tasks it "
-                                 "holds for the same setup are not rerun)"),
+    records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed: trials it "
+                                 "holds with the same model, tokens and scoring are not rerun, whichever "
+                                 "methods, budgets and codings their run had"),
     json_path: Path = typer.Option(None, "--json", help="write rows as JSON (and the frontier PNG next to it)"),
 ):
     """Accuracy vs bytes: full relay, receiver-driven partial relay, question-agnostic eviction, text, nothing."""
@@ -94,7 +95,7 @@ def partial(
     for name in task_sets:
         v.choice(name, "--tasks", available())
 
-    from kvrelay.bench.partial import by_set, plot, run, select_trials, summarize, trial_row
+    from kvrelay.bench.partial import by_set, missing, plot, run, select_trials, summarize, trial_row
     from kvrelay.cli.common import command_line, load_for_cli, state, write_json
     from kvrelay.core.jsonl import append_json_lines, resume_json_lines
 
@@ -126,15 +127,12 @@ def partial(
             append_json_lines(records, (trial_row(setup, t) for t in trials))
 
     load_before = os.getloadavg()[0]
-    have = {t.task for t in done}
-    if all(task.id in have for _, task in task_list):  # every task recorded: summarize without loading the model
-        wanted = {task.id for _, task in task_list}
-        trials = [t for t in done if t.task in wanted]
-    else:
+    lm = None  # every trial recorded: summarized without loading the model
+    if missing(task_list, done, budget_list, enc_list, method_list):
         lm = load_for_cli(model, threads)
-        trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
-                     max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
-                     progress=not state.quiet, scoring=scoring)
+    trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
+                 max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
+                 progress=not state.quiet and lm is not None, scoring=scoring)
     rows, sets = summarize(trials), by_set(trials)
     load_after = os.getloadavg()[0]
     n_tasks = len({t.task for t in trials})
@@ -145,7 +143,8 @@ def partial(
     if n_tasks < 200:
         console.print(f"[yellow]note:[/yellow] {n_tasks} tasks; a verdict on ±3 points needs about 200 per set")
     reused = {id(t) for t in done}
-    out = {"rows": rows, "by_set": sets, "trials_run": sum(id(t) not in reused for t in trials), "model": model,
+    out = {"rows": rows, "by_set": sets, "trials_run": sum(id(t) not in reused for t in trials),
+           "trials_reused": sum(id(t) in reused for t in trials), "model": model,
            "tasks": {"sets": list(task_sets), "limit": limit, "n": n_tasks},
            "setup": setup, "records": str(records) if records else None, "threads": threads,
            "load_average": {"load1_before": round(load_before, 2), "load1_after": round(load_after, 2),
