@@ -148,6 +148,9 @@ def test_a_wider_run_reuses_the_recorded_trials_and_runs_only_the_others(tmp_pat
     assert scores(d["rows"]) == scores(once["rows"])
     r = CliRunner().invoke(app, [*wide, "--pool", "5", "--records", str(rec)])  # other scoring: none reused
     assert r.exit_code == 0 and json.loads(out.read_text())["trials_reused"] == 0
+    r = CliRunner().invoke(app, [*wide, "--engine", "bf16", "--records", str(rec)])  # another kernel mode: none
+    assert r.exit_code == 0 and json.loads(out.read_text())["trials_reused"] == 0
+    assert json.loads(out.read_text())["setup"]["engine"] == "bf16"
 
 
 def test_bench_partial_mistakes(tmp_path):

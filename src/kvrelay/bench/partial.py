@@ -260,7 +260,8 @@ def trial_row(setup: dict, trial: Trial) -> dict:
     return {"setup": setup, **asdict(trial)}
 
 
-SETUP_DEFAULTS = {"verify": False, "backfill": False, "first_exact": False}  # fields rows written before them ran without
+# what rows written before these fields ran with
+SETUP_DEFAULTS = {"verify": False, "backfill": False, "first_exact": False, "engine": "fp32"}
 WHAT_RAN = ("budgets", "encodings", "methods")  # setup fields that say which trials a run made, not how
 
 

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.cli.common import DEFAULT_ENGINE, ENGINE_HELP
+
 app = typer.Typer(help="Receiver-driven partial relay: accuracy against bytes.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 console = Console(width=None if Console().is_terminal else 170)
@@ -59,6 +61,7 @@ def partial(
                                   "backfill over the scoring rows (both eviction methods)"),
     message_tokens: int = typer.Option(64, help="tokens the sender's text_message note may have"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's)"),
+    engine: str = typer.Option(DEFAULT_ENGINE, help=ENGINE_HELP),
     records: Path = typer.Option(None, help="every trial as JSON lines; an existing file is resumed: trials it "
                                  "holds with the same model, tokens and scoring are not rerun, whichever "
                                  "methods, budgets and codings their run had"),
@@ -86,6 +89,7 @@ def partial(
     if lookahead is not None and lookahead < 0:
         raise v.InvalidInput(f"--lookahead {lookahead}", "--lookahead 0 (score by the prompt) or a positive count")
     v.positive(threads, "--threads")
+    v.engine(engine)
     v.writable_path(json_path, "--json")
     v.writable_path(records, "--records")
     v.model(model)
@@ -115,7 +119,11 @@ def partial(
                "lookahead": DEFAULT_LOOKAHEAD if lookahead is None else lookahead,
                "verify": checked, "backfill": backfill,  # first_exact means nothing unchecked: off, as records say
                "first_exact": checked and (DEFAULT_FIRST_EXACT if first_exact is None else first_exact)}
-    setup = {"model": model, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
+    lm = None
+    if engine == "auto":  # the mode it picks on this machine is what the records must match
+        lm = load_for_cli(model, threads, engine)
+        engine = lm.engine
+    setup = {"model": model, "engine": engine, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
              "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
     try:  # a line cut short by a killed run goes before anything is appended
         done = select_trials(resume_json_lines(records), setup, where=records) if records is not None else []
@@ -127,9 +135,8 @@ def partial(
             append_json_lines(records, (trial_row(setup, t) for t in trials))
 
     load_before = os.getloadavg()[0]
-    lm = None  # every trial recorded: summarized without loading the model
-    if missing(task_list, done, budget_list, enc_list, method_list):
-        lm = load_for_cli(model, threads)
+    if lm is None and missing(task_list, done, budget_list, enc_list, method_list):  # else: summarized from
+        lm = load_for_cli(model, threads, engine)  # the records without loading the model
     trials = run(lm, task_list, budgets=budget_list, encodings=enc_list, methods=method_list,
                  max_new_tokens=max_new_tokens, message_tokens=message_tokens, done=done, sink=sink,
                  progress=not state.quiet and lm is not None, scoring=scoring)
