@@ -98,6 +98,13 @@ def test_shared_regime_workflows_alternate_with_private_ones_and_relay_writes_wh
         ServeBenchConfig(models=("tiny:qwen2",), replicas=0)
 
 
+def test_a_runs_load_is_judged_against_the_cores_its_replicas_use_together():
+    """Two replicas of one thread each use two cores: a load of 2 is the run itself, not a busy machine."""
+    assert ServeBenchConfig(models=("tiny:qwen2",), threads=1, replicas=2).cores == 2
+    assert ServeBenchConfig(models=("tiny:qwen2",), threads=2).cores == 2
+    assert ServeBenchConfig(models=("tiny:qwen2",), threads=1).cores == 1
+
+
 def test_the_cli_prints_both_dominance_rules_with_who(result, capsys):
     from kvrelay.cli.bench_serve import print_result
 

@@ -140,6 +140,11 @@ class ServeBenchConfig:
         """A peer server's threads: the cores kvrelay's replicas of one model use together (None: its default)."""
         return self.threads * self.replicas if self.threads else None
 
+    @property
+    def cores(self) -> int:
+        """The cores the run is meant to use (``peer_threads``, or every core): what its load is judged against."""
+        return self.peer_threads or os.cpu_count() or 1
+
 
 # -- one workflow over HTTP ------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -493,4 +498,4 @@ def _result(config: ServeBenchConfig, rows: dict[str, dict], small: str, large: 
             "regimes": list(config.regimes),
             "task_set": ", ".join({"private": "gen (private regime)", "shared": f"{SHARED_SET} (shared regime)"}[r]
                                   for r in config.regimes),
-            "load_average": load_status(loads, config.threads or os.cpu_count() or 1) if loads else None}
+            "load_average": load_status(loads, config.cores) if loads else None}
