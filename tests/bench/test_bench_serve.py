@@ -136,7 +136,8 @@ def test_a_paired_strategy_dominates_only_beyond_noise_an_unpaired_one_by_its_po
            "accuracy_delta": 0.0, "accuracy_delta_ci_low": 0.0, "accuracy_delta_ci_high": 0.0}
     paired = {"always_largest": tie, "credible": tie | {"latency_ratio": 0.9, "latency_ratio_ci_high": 0.95}}
     assert point_dominating(rows) == ["always_largest", "unpaired", "credible"]
-    assert dominating(rows, paired, point_dominating(rows)) == ["unpaired", "credible"]  # the tie of identical routings is not a win
+    # the tie of identical routings is not a win
+    assert dominating(rows, paired, point_dominating(rows)) == ["unpaired", "credible"]
 
 
 def test_credible_domination_needs_an_interval_clear_of_no_difference():

@@ -123,8 +123,9 @@ def partial(
     if engine == "auto":  # the mode it picks on this machine is what the records must match
         lm = load_for_cli(model, threads, engine)
         engine = lm.engine
-    setup = {"model": model, "engine": engine, "budgets": budget_list, "encodings": list(enc_list), "methods": list(method_list),
-             "max_new_tokens": max_new_tokens, "message_tokens": message_tokens, **scoring}
+    setup = {"model": model, "engine": engine, "budgets": budget_list, "encodings": list(enc_list),
+             "methods": list(method_list), "max_new_tokens": max_new_tokens, "message_tokens": message_tokens,
+             **scoring}
     try:  # a line cut short by a killed run goes before anything is appended
         done = select_trials(resume_json_lines(records), setup, where=records) if records is not None else []
     except ValueError as err:
